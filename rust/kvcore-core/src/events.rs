@@ -1,0 +1,48 @@
+//! KV cache events as the pool emits them (SPEC §6).
+//!
+//! These are the raw events: hashes are full digests and group ids are separate fields. The
+//! bindings turn them into the reference's Python event classes (applying EVT-2's integer form)
+//! and the manager fills in the spec kind and sliding window (MGR-24).
+
+use crate::hash::BlockHash;
+use crate::value::Value;
+
+/// Per-call metadata of a `BlockStored` event that comes from the request.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StoredMeta {
+    /// Token ids covered by the stored blocks (skipped blocks included, SPEC POOL-17).
+    pub token_ids: Vec<i64>,
+    /// `lora_request.adapter_id`, if any.
+    pub lora_id: Option<i64>,
+    /// `lora_request.name`, if any.
+    pub lora_name: Option<String>,
+    /// Extra keys per non-skipped block; `None` when the list would be empty.
+    pub extra_keys: Option<Vec<Option<Value>>>,
+}
+
+/// One KV cache event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// Blocks were stored in the prefix cache.
+    BlockStored {
+        /// Hashes of the stored (non-skipped) blocks, in order.
+        block_hashes: Vec<BlockHash>,
+        /// Hash of the block before the first stored one, if any.
+        parent_block_hash: Option<BlockHash>,
+        /// Tokens per block (or, for a partial entry, the tokens it covers).
+        block_size: u32,
+        /// KV-cache group id.
+        group_idx: u32,
+        /// Request-derived fields.
+        meta: StoredMeta,
+    },
+    /// One key was removed from the prefix cache.
+    BlockRemoved {
+        /// The removed hash.
+        block_hash: BlockHash,
+        /// KV-cache group id.
+        group_idx: u32,
+    },
+    /// The whole prefix cache was cleared.
+    AllBlocksCleared,
+}

@@ -1,0 +1,1 @@
+//! Block hashing (SPEC §5): filled in by the hashing work.

@@ -1,0 +1,1 @@
+//! The block pool (SPEC §1–4).

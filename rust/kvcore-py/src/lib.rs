@@ -1,0 +1,24 @@
+//! PyO3 bindings of `kvcore-core`, compiled as the private module `kvcore._native`.
+//!
+//! Every `#[pymethods]` body here converts arguments, calls the core and converts results; the
+//! algorithms live in `kvcore-core`. The module's whole Python surface is the declarative
+//! `#[pymodule]` below and its stub `python/kvcore/_native.pyi`.
+
+use pyo3::prelude::*;
+
+mod errors;
+
+/// The extension module.
+#[pymodule]
+mod _native {
+    use pyo3::prelude::*;
+
+    #[pymodule_export]
+    use super::errors::KvcoreError;
+
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        Ok(())
+    }
+}
