@@ -48,7 +48,9 @@ impl BlockHash {
     pub fn event_int(&self) -> u64 {
         let b = self.as_bytes();
         let start = b.len().saturating_sub(8);
-        b[start..].iter().fold(0u64, |acc, &x| (acc << 8) | u64::from(x))
+        b[start..]
+            .iter()
+            .fold(0u64, |acc, &x| (acc << 8) | u64::from(x))
     }
 }
 

@@ -7,6 +7,7 @@
 use pyo3::prelude::*;
 
 mod errors;
+mod events;
 
 /// The extension module.
 #[pymodule]
