@@ -28,8 +28,9 @@ from kvcore_kernels import _common
 __all__ = ["AttentionConfig", "paged_attention"]
 
 
-@triton.jit
-def _paged_attention_kernel(
+# Triton types kernel parameters by specialising on the arguments, not by annotations.
+@triton.jit  # type: ignore[untyped-decorator]
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     key_cache_ptr,
     value_cache_ptr,
@@ -73,7 +74,7 @@ def _paged_attention_kernel(
     USE_ALIBI: tl.constexpr,
     USE_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -105,10 +106,7 @@ def _paged_attention_kernel(
     )
 
     # Key range needed by any row of this program.
-    if CAUSAL:
-        kv_end = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
-    else:
-        kv_end = seq_len
+    kv_end = context_len + tl.minimum(q_first + BLOCK_Q, q_len) if CAUSAL else seq_len
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(context_len + q_first - sliding_window + 1, 0)
@@ -156,10 +154,7 @@ def _paged_attention_kernel(
             k_t = (k_t.to(tl.float32) * k_scale).to(q.dtype)
             v = (v.to(tl.float32) * v_scale).to(q.dtype)
 
-        if IEEE_DOT:
-            s = tl.dot(q, k_t, input_precision="ieee")
-        else:
-            s = tl.dot(q, k_t)
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
         if USE_SOFTCAP:
             # softcap * tanh(s * scale / softcap), with exp of a non-positive argument only.
             x = s * (scale / softcap)
@@ -169,9 +164,9 @@ def _paged_attention_kernel(
         else:
             s = s * qk_scale
         if USE_ALIBI:
-            s += (slope[:, None] * 1.4426950408889634) * (
-                key_pos[None, :] - row_pos[:, None]
-            ).to(tl.float32)
+            s += (slope[:, None] * 1.4426950408889634) * (key_pos[None, :] - row_pos[:, None]).to(
+                tl.float32
+            )
         visible = key_valid[None, :] & row_valid[:, None]
         if CAUSAL:
             visible = visible & (key_pos[None, :] <= row_pos[:, None])
@@ -184,10 +179,7 @@ def _paged_attention_kernel(
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -195,7 +187,10 @@ def _paged_attention_kernel(
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
         tl.store(
-            out_ptr + row_token[:, None] * stride_ot + row_head[:, None] * stride_oh + dims[None, :],
+            out_ptr
+            + row_token[:, None] * stride_ot
+            + row_head[:, None] * stride_oh
+            + dims[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None] & dim_valid[None, :],
         )
@@ -210,8 +205,9 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
-def _merge_splits_kernel(
+# Triton types kernel parameters by specialising on the arguments, not by annotations.
+@triton.jit  # type: ignore[untyped-decorator]
+def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     part_o_ptr,
     part_m_ptr,
     part_l_ptr,
@@ -396,7 +392,12 @@ def _check_inputs(
         if opt is not None:
             _common.check_device(name, opt, device)
     _common.check_launch_device(device)
-    for name, opt in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
+    for name, opt in (
+        ("q", q),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("out", out),
+    ):
         if opt is not None:
             _common.check_last_dim_contiguous(name, opt)
     if block_table.shape[1] > 0 and block_table.stride(1) != 1:
@@ -422,9 +423,7 @@ def _check_values(
     if num_seqs and bool((q_lens < 0).any()):
         raise ValueError("query_start_loc must be non-decreasing")
     if int(qsl[-1]) != q.shape[0]:
-        raise ValueError(
-            f"query_start_loc ends at {int(qsl[-1])} but q holds {q.shape[0]} tokens"
-        )
+        raise ValueError(f"query_start_loc ends at {int(qsl[-1])} but q holds {q.shape[0]} tokens")
     if num_seqs and bool((lens < q_lens).any()):
         i = int(torch.nonzero(lens < q_lens)[0, 0])
         raise ValueError(
@@ -587,7 +586,8 @@ def _plan(
         "USE_ALIBI": alibi_slopes is not None,
         "USE_SINKS": sinks is not None,
         "KV_FP8": kv_fp8,
-        "IEEE_DOT": q.dtype == torch.float32,
+        # float32 queries get exact float32 products rather than TF32.
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
     }
     grid = (num_seqs, _common.cdiv(max_query_len, block_q), num_kv_heads * num_kv_splits)
     merge_grid = None

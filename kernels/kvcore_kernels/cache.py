@@ -19,8 +19,9 @@ from kvcore_kernels import _common
 __all__ = ["reshape_and_cache"]
 
 
-@triton.jit
-def _reshape_and_cache_kernel(
+# Triton types kernel parameters by specialising on the arguments, not by annotations.
+@triton.jit  # type: ignore[untyped-decorator]
+def _reshape_and_cache_kernel(  # type: ignore[no-untyped-def]
     key_ptr,
     value_ptr,
     key_cache_ptr,
@@ -144,7 +145,9 @@ def _plan(
     _common.check_int_tensor("slot_mapping", slot_mapping, 1)
     num_tokens = key.shape[0]
     if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens"
+        )
     device = key.device
     for name, t in (
         ("value", value),

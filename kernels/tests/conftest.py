@@ -26,10 +26,9 @@ for _path in (_TESTS_DIR.parent, _TESTS_DIR):
 for _name in [m for m in sys.modules if m == "kvcore_kernels" or m.startswith("kvcore_kernels.")]:
     del sys.modules[_name]
 
+import kvk_interpreter_patches  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-import kvk_interpreter_patches  # noqa: E402
 
 kvk_interpreter_patches.apply()
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from kvcore_kernels import build_metadata
 from kvcore_kernels.metadata import AttentionMetadata
 
@@ -76,8 +75,9 @@ def make_batch(
         # replaced by the null block.
         for i, (c, ids) in enumerate(zip(ctx_lens, block_ids, strict=True)):
             first_visible = max(0, c - sliding_window + 1)
-            block_ids[i] = [0 if (b + 1) * block_size <= first_visible else x for b, x in
-                            enumerate(ids)]
+            block_ids[i] = [
+                0 if (b + 1) * block_size <= first_visible else x for b, x in enumerate(ids)
+            ]
     meta = build_metadata(
         block_ids,
         ctx_lens,

@@ -1,7 +1,7 @@
 """Compiles every kernel variant the launchers plan, for sm_90 (H100/H200), without a GPU.
 
 Run as a script (the test runs it in a subprocess, because the test session uses the
-interpreter): `python kernels/tests/kvk_compile_sm90.py`. Triton's NVIDIA backend lowers the
+interpreter): `python kernels/tests/kvk_compile_sm90.py [cache] [attention] [split]`. Triton's NVIDIA backend lowers the
 kernels to PTX with its own LLVM and assembles the PTX to a cubin with the `ptxas` bundled in the
 wheel (`triton/backends/nvidia/bin/ptxas`); neither step needs a CUDA driver or device. Prints
 one line per variant and exits non-zero if any fails.
@@ -19,12 +19,11 @@ os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from kvcore_kernels import _common, attention, cache  # noqa: E402
+import torch
+import triton
+from kvcore_kernels import _common, attention, cache
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 _TYPES = {
@@ -81,7 +80,14 @@ def _cache_variants() -> list[tuple[str, Any]]:
         key = torch.zeros(4, heads, d, dtype=dtype)
         kc = torch.zeros(2, 48, heads, d, dtype=storage)
         plan = cache._plan(
-            key, key, kc, kc.clone(), torch.zeros(4, dtype=torch.int64), kv, 0.5, 0.5,
+            key,
+            key,
+            kc,
+            kc.clone(),
+            torch.zeros(4, dtype=torch.int64),
+            kv,
+            0.5,
+            0.5,
             check_slots=False,
         )
         out.append((f"reshape_and_cache {dtype} kv={kv} d={d}", plan))
@@ -112,26 +118,54 @@ def _attention_variants() -> list[tuple[str, Any]]:
         if opts.pop("sinks", False):
             opts["sinks"] = torch.ones(hq)
         plan = attention._plan(
-            q, kc, kc.clone(), torch.zeros(1, 4, dtype=torch.int32),
+            q,
+            kc,
+            kc.clone(),
+            torch.zeros(1, 4, dtype=torch.int32),
             torch.full((1,), max_q, dtype=torch.int32),
             torch.tensor([0, max_q], dtype=torch.int32),
-            scale=d**-0.5, causal=opts.pop("causal", True),
-            sliding_window=opts.pop("sliding_window", None), softcap=opts.pop("softcap", None),
-            alibi_slopes=opts.pop("alibi_slopes", None), sinks=opts.pop("sinks", None),
-            k_scale=0.5, v_scale=0.5, out=None, kv_cache_dtype=kv, num_kv_splits=splits,
-            config=None, max_query_len=max_q, max_seq_len=4 * bs, validate=False,
+            scale=d**-0.5,
+            causal=opts.pop("causal", True),
+            sliding_window=opts.pop("sliding_window", None),
+            softcap=opts.pop("softcap", None),
+            alibi_slopes=opts.pop("alibi_slopes", None),
+            sinks=opts.pop("sinks", None),
+            k_scale=0.5,
+            v_scale=0.5,
+            out=None,
+            kv_cache_dtype=kv,
+            num_kv_splits=splits,
+            config=None,
+            max_query_len=max_q,
+            max_seq_len=4 * bs,
+            validate=False,
         )
-        name = f"paged_attention {dtype} d={d} block={bs} {hq}/{hkv} kv={kv} q={max_q} splits={splits}"
+        name = (
+            f"paged_attention {dtype} d={d} block={bs} {hq}/{hkv} kv={kv} q={max_q} splits={splits}"
+        )
         out.append((name, plan))
     return out
 
 
-def main() -> int:
+GROUPS = ("cache", "attention", "split")
+
+
+def main(argv: list[str]) -> int:
+    """Compiles the variants of the groups named in `argv` (default: all of them)."""
+    groups = argv or list(GROUPS)
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        print(f"unknown group(s) {sorted(unknown)}; expected some of {GROUPS}")
+        return 2
     _common.check_launch_device = lambda device: None  # plans on CPU tensors, compiles for GPU
     failures = 0
-    for name, plan in _cache_variants():
-        failures += _report(name, plan.kernel, plan.args, plan.num_warps, 1)
+    if "cache" in groups:
+        for name, plan in _cache_variants():
+            failures += _report(name, plan.kernel, plan.args, plan.num_warps, 1)
     for name, plan in _attention_variants():
+        split = plan.merge_args is not None
+        if ("split" if split else "attention") not in groups:
+            continue
         failures += _report(name, plan.kernel, plan.args, plan.num_warps, plan.num_stages)
         if plan.merge_args is not None:
             failures += _report(name + " (merge)", plan.merge_kernel, plan.merge_args, 4, 1)
@@ -150,4 +184,4 @@ def _report(name: str, kernel: Any, args: dict[str, Any], num_warps: int, stages
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

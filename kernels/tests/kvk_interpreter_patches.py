@@ -53,9 +53,7 @@ def _torch_to_np(t: torch.Tensor, dtype: Any) -> np.ndarray:
 
 def _torch_convert(src: Any, dst_scalar: Any) -> Any:
     data = _np_to_torch(src.data, src.dtype.scalar).to(_TORCH_OF[dst_scalar])
-    return _interp.TensorHandle(
-        _torch_to_np(data, dst_scalar).reshape(src.data.shape), dst_scalar
-    )
+    return _interp.TensorHandle(_torch_to_np(data, dst_scalar).reshape(src.data.shape), dst_scalar)
 
 
 def _needs_torch(src_scalar: Any, dst_scalar: Any) -> bool:
@@ -85,15 +83,13 @@ def _fp_to_fp(self: Any, src: Any, dst_type: Any, rounding_mode: Any) -> Any:
     return _orig_fp_to_fp(self, src, dst_type, rounding_mode)
 
 
-def _dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+def _dot(
+    self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any
+) -> Any:
     if a.dtype.scalar in _SPECIAL or b.dtype.scalar in _SPECIAL:
         a = _torch_convert(a, tl.float32)
         b = _torch_convert(b, tl.float32)
     return _orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-
-
-
 
 
 def apply() -> None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import kvcore_kernels as kk
 import pytest
 import torch
-from kvk_cases import TOLERANCE, make_batch
-
-import kvcore_kernels as kk
 from kvcore_kernels import AttentionConfig
 from kvcore_kernels import reference as ref
 from kvcore_kernels.attention import _default_num_splits
+from kvk_cases import TOLERANCE, make_batch
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -120,9 +119,7 @@ def _run(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         kwargs["sinks"] = torch.randn(num_q_heads) * 2
     kwargs.update(opts)
     expected = ref.paged_attention(*batch.args(), **kwargs)
-    got = kk.paged_attention(
-        *batch.args(), **kwargs, num_kv_splits=case.splits, config=case.config
-    )
+    got = kk.paged_attention(*batch.args(), **kwargs, num_kv_splits=case.splits, config=case.config)
     return got, expected
 
 
