@@ -217,8 +217,8 @@ def timings(device: torch.device, shapes: list[Shape]) -> None:
         case = Case(label, dtype, d, bs, (hq, hkv), [ctx] * b, [ql] * b, kv=kv)
         args, kwargs = make_inputs(case, device)
         q = args[0]
-        meta_kw = {"validate": False, "max_query_len": ql, "max_seq_len": ctx + ql}
-        t_kv = _bench(lambda: kk.paged_attention(*args, **kwargs, **meta_kw))  # noqa: B023
+        kwargs.update(validate=False, max_query_len=ql, max_seq_len=ctx + ql)
+        t_kv = _bench(lambda: kk.paged_attention(*args, **kwargs))  # noqa: B023
         # Contiguous baseline: [b, h, s, d] K/V for SDPA, same values.
         seq = ctx + ql
         k_dense = torch.randn(b, hkv, seq, d, device=device, dtype=dtype)

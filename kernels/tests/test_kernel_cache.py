@@ -46,9 +46,9 @@ def test_matches_reference_bitwise(name: str) -> None:
     poison(kc)
     vc = kc.clone()
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    kw = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
-    kk.reshape_and_cache(key, value, kc, vc, slots, kv_dtype, **kw)
-    ref.reshape_and_cache(key, value, kc_ref, vc_ref, slots, kv_dtype, **kw)
+    k_scale, v_scale = scales if scales is not None else (None, None)
+    kk.reshape_and_cache(key, value, kc, vc, slots, kv_dtype, k_scale, v_scale)
+    ref.reshape_and_cache(key, value, kc_ref, vc_ref, slots, kv_dtype, k_scale, v_scale)
     assert torch.equal(_bits(kc), _bits(kc_ref))
     assert torch.equal(_bits(vc), _bits(vc_ref))
     # Untouched slots keep their content (including the padded tokens' would-be slots).
