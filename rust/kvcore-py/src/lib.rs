@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 
 mod errors;
 mod events;
+mod pool;
 
 /// The extension module.
 #[pymodule]
@@ -15,11 +16,11 @@ mod _native {
     use pyo3::prelude::*;
 
     #[pymodule_export]
-    use super::errors::KvcoreError;
+    use super::pool::{BlockList, KVCacheBlockView, PyBlockPool};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        Ok(())
+        super::errors::register(m)
     }
 }
