@@ -12,7 +12,7 @@
 use hashbrown::HashMap;
 
 use crate::error::PoolError;
-use crate::events::StoredMeta;
+use crate::events::{MetaRequest, StoredMeta};
 use crate::hash::BlockHash;
 use crate::pool::{BlockId, BlockPool, HashSource};
 
@@ -202,7 +202,7 @@ impl FullAttentionTables {
         id: &str,
         num_tokens: usize,
         hashes: HashSource<'_, E>,
-        meta: &mut dyn FnMut(&[usize]) -> Result<StoredMeta, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<(), E> {
         let cached = self.reqs.get(id).and_then(|r| r.num_cached).unwrap_or(0);
         let full = num_tokens / self.block_size;
@@ -211,7 +211,13 @@ impl FullAttentionTables {
         }
         let (bs, gid) = (self.block_size, self.group_id);
         let e = self.entry(id);
-        pool.cache_full_blocks(&e.blocks, cached, full, bs, gid, None, hashes, meta)?;
+        let new = e.blocks.get(cached..full).ok_or_else(|| {
+            PoolError::Invalid(format!(
+                "request {id} holds {} blocks, fewer than the {full} full ones",
+                e.blocks.len()
+            ))
+        })?;
+        pool.cache_full_blocks(new, cached, full, bs, gid, None, hashes, meta)?;
         e.num_cached = Some(full);
         Ok(())
     }
@@ -334,12 +340,17 @@ impl UnitaryFullAttention {
         })
     }
 
+    /// Whether hits drop their last block (SPEC EAGLE-1).
+    pub fn use_eagle(&self) -> bool {
+        self.use_eagle
+    }
+
     /// SPEC MGR-7 / FA-1: the cached prefix of `hashes` usable by a request of `num_tokens`
     /// tokens (one token less is searchable). Returns the hit blocks.
-    pub fn find_longest_cache_hit<'h>(
+    pub fn find_longest_cache_hit(
         &self,
         pool: &BlockPool,
-        hashes: impl IntoIterator<Item = &'h BlockHash>,
+        hashes: impl IntoIterator<Item = BlockHash>,
         num_tokens: usize,
     ) -> Vec<BlockId> {
         let max_blocks = num_tokens.saturating_sub(1) / self.tables.block_size;
@@ -364,7 +375,7 @@ impl UnitaryFullAttention {
         req: RequestView<'_>,
         args: AllocateArgs<'_>,
         hashes: HashSource<'_, E>,
-        meta: &mut dyn FnMut(&[usize]) -> Result<StoredMeta, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<Option<std::ops::Range<usize>>, E> {
         let ext = args.num_external_computed_tokens;
         if args.num_new_tokens == 0 && ext == 0 {
@@ -454,7 +465,7 @@ mod tests {
                     len: hashes.len(),
                     get: &mut get,
                 },
-                &mut |_| Ok(StoredMeta::default()),
+                &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
             )
             .unwrap()?;
         Some(m.tables.blocks(r.id)[range].to_vec())
@@ -478,7 +489,7 @@ mod tests {
         assert_eq!(m.tables.take_new_block_ids(), vec![1, 2, 3]);
         m.tables.free(&mut p, "r1").unwrap();
         assert_eq!(p.all_free_block_ids(), vec![3, 4, 5, 6, 7, 8, 9, 2, 1]);
-        let hit = m.find_longest_cache_hit(&p, hashes.iter(), 40);
+        let hit = m.find_longest_cache_hit(&p, hashes, 40);
         assert_eq!(hit, vec![1, 2]);
         let a = AllocateArgs {
             num_new_tokens: 8,
@@ -493,7 +504,7 @@ mod tests {
         );
         assert_eq!(m.tables.blocks("r2"), &[1, 2, 3]);
         // MGR-7: a fully cached 32-token prompt hits only 16.
-        let hit3 = m.find_longest_cache_hit(&p, hashes.iter(), 32);
+        let hit3 = m.find_longest_cache_hit(&p, hashes, 32);
         assert_eq!(hit3, vec![1]);
         let a3 = AllocateArgs {
             num_new_tokens: 16,
@@ -526,7 +537,7 @@ mod tests {
                 len: 0,
                 get: &mut get,
             },
-            &mut |_| Ok(StoredMeta::default()),
+            &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
         );
         assert!(r.is_err());
         let args = AllocateArgs {

@@ -18,7 +18,7 @@
 use hashbrown::HashMap;
 
 use crate::error::PoolError;
-use crate::events::{KvEvent, StoredMeta};
+use crate::events::{KvEvent, MetaRequest, StoredMeta};
 use crate::hash::{BlockHash, BlockKey};
 
 /// A block id (an index into the pool).
@@ -296,16 +296,16 @@ impl BlockPool {
     /// Walks `hashes` from the front and collects, per group, the cached block of each hash,
     /// stopping at the first hash that misses in any group (the full-attention hit search, SPEC
     /// FA-1, in one call).
-    pub fn longest_cached_prefix<'h>(
+    pub fn longest_cached_prefix(
         &self,
-        hashes: impl IntoIterator<Item = &'h BlockHash>,
+        hashes: impl IntoIterator<Item = BlockHash>,
         group_ids: &[u32],
     ) -> Vec<Vec<BlockId>> {
         let mut out: Vec<Vec<BlockId>> = vec![Vec::new(); group_ids.len()];
         'outer: for h in hashes {
             let start = out.first().map_or(0, Vec::len);
             for (gi, &g) in group_ids.iter().enumerate() {
-                match self.get_one_block(&BlockKey::new(*h, g)) {
+                match self.get_one_block(&BlockKey::new(h, g)) {
                     Some(b) => out[gi].push(b),
                     None => {
                         for v in out.iter_mut().take(gi) {
@@ -589,9 +589,9 @@ impl BlockPool {
 
     /// Stores the request's newly full blocks in the prefix cache (SPEC POOL-13..17).
     ///
-    /// `blocks` is the request's whole block list for the group; `hashes` is the hash view at
+    /// `new_blocks` is `blocks[num_cached..num_full]` of the request's list for the group; `hashes` is the hash view at
     /// `block_size` granularity (the caller builds the HBS view, SPEC RH-3). `meta` is called
-    /// once, only when events are on, with the indices (into `blocks`) of the blocks stored.
+    /// once, only when events are on, with the ranges the event describes.
     ///
     /// # Errors
     /// Every precondition is checked before anything changes: block ids, mask length, view
@@ -599,14 +599,14 @@ impl BlockPool {
     #[allow(clippy::too_many_arguments)]
     pub fn cache_full_blocks<E: From<PoolError>>(
         &mut self,
-        blocks: &[BlockId],
+        new_blocks: &[BlockId],
         num_cached: usize,
         num_full: usize,
         block_size: usize,
         group_id: u32,
         mask: Option<&[bool]>,
         hashes: HashSource<'_, E>,
-        meta: &mut dyn FnMut(&[usize]) -> Result<StoredMeta, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<(), E> {
         if num_cached >= num_full {
             return Ok(());
@@ -618,12 +618,14 @@ impl BlockPool {
             }
             .into());
         }
-        let new = blocks.get(num_cached..num_full).ok_or_else(|| {
-            PoolError::Invalid(format!(
-                "the request holds {} blocks, fewer than num_full_blocks={num_full}",
-                blocks.len()
+        if new_blocks.len() != num_full - num_cached {
+            return Err(PoolError::Invalid(format!(
+                "{} blocks given for positions {num_cached}..{num_full}",
+                new_blocks.len()
             ))
-        })?;
+            .into());
+        }
+        let new = new_blocks;
         if let Some(m) = mask {
             if m.len() != new.len() {
                 return Err(PoolError::MaskLength {
@@ -670,8 +672,16 @@ impl BlockPool {
             } else {
                 Some((hashes.get)(num_cached - 1)?)
             };
-            let positions: Vec<usize> = stored.iter().map(|s| s.0).collect();
-            Some((parent, meta(&positions)?))
+            let ranges: Vec<(usize, usize)> = stored
+                .iter()
+                .map(|s| (s.0 * block_size, (s.0 + 1) * block_size))
+                .collect();
+            let req = MetaRequest {
+                token_range: (num_cached * block_size, num_full * block_size),
+                block_ranges: &ranges,
+                first_mm_idx: 0,
+            };
+            Some((parent, meta(&req)?))
         } else {
             None
         };
@@ -709,7 +719,7 @@ impl BlockPool {
         block_size: usize,
         num_hashes: usize,
         hash_at: &mut dyn FnMut(usize) -> Result<BlockHash, E>,
-        meta: &mut dyn FnMut(usize, usize) -> Result<StoredMeta, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<Option<BlockKey>, E> {
         self.check_ids(&[block])?;
         if block == 0 {
@@ -754,7 +764,12 @@ impl BlockPool {
         let event = if self.events_enabled && !already {
             let parent = if m > 1 { Some(hash_at(m - 2)?) } else { None };
             let start = (m - 1) * hbs;
-            Some((parent, start, meta(start, num_tokens)?))
+            let req = MetaRequest {
+                token_range: (start, num_tokens),
+                block_ranges: &[(start, num_tokens)],
+                first_mm_idx: if start > 0 { -1 } else { 0 },
+            };
+            Some((parent, start, meta(&req)?))
         } else {
             None
         };

@@ -3,7 +3,7 @@
 //! A block is its `int` id. Methods convert their arguments, call the core once and convert the
 //! result; a batch of ids crosses the boundary as one list.
 
-use kvcore_core::events::StoredMeta;
+use kvcore_core::events::{MetaRequest, StoredMeta};
 use kvcore_core::hash::BlockHash;
 use kvcore_core::pool::{BlockId, BlockPool, HashSource};
 use kvcore_core::PoolError;
@@ -48,6 +48,32 @@ fn extract_raw_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     Ok(out)
 }
 
+/// The full-attention hit walk (SPEC FA-1) over a Python sequence of hashes: entry
+/// `(i + 1) * stride - 1` for block `i < max_blocks`, read lazily so the walk stops reading at
+/// the first miss. Returns one list per group.
+pub fn cached_prefix(
+    pool: &BlockPool,
+    block_hashes: &Bound<'_, PyAny>,
+    max_blocks: usize,
+    group_ids: &[u32],
+    stride: usize,
+) -> PyResult<Vec<Vec<u32>>> {
+    let n = (block_hashes.len()? / stride).min(max_blocks);
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); group_ids.len()];
+    for i in 0..n {
+        let h = to_hash(&block_hashes.get_item((i + 1) * stride - 1)?)?;
+        match pool.get_cached_block(&h, group_ids) {
+            Some(found) => {
+                for (dst, b) in out.iter_mut().zip(found) {
+                    dst.push(b);
+                }
+            }
+            None => break,
+        }
+    }
+    Ok(out)
+}
+
 /// Converts a digest from Python bytes.
 pub fn to_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
     let b = obj.downcast::<PyBytes>()?.as_bytes();
@@ -59,13 +85,14 @@ fn non_negative(v: i64, what: &str) -> PyResult<usize> {
 }
 
 /// Request fields that events need (SPEC POOL-17, POOL-30).
-fn stored_meta(
+pub fn stored_meta(
     py: Python<'_>,
     request: &Bound<'_, PyAny>,
-    token_range: (usize, usize),
-    extra_ranges: &[(usize, usize)],
-    first_mm_idx: i64,
+    req: &MetaRequest<'_>,
 ) -> PyResult<StoredMeta> {
+    let token_range = req.token_range;
+    let extra_ranges = req.block_ranges;
+    let first_mm_idx = req.first_mm_idx;
     let tokens = request
         .getattr(intern!(py, "all_token_ids"))?
         .get_item(PySlice::new(
@@ -295,28 +322,17 @@ impl PyBlockPool {
                 "the request holds fewer than num_full_blocks={num_full} blocks"
             )));
         }
-        // Place the new ids at their absolute positions for the core.
-        let mut ids = vec![0u32; num_cached];
-        ids.extend_from_slice(&new_ids);
         let fine = request.getattr(intern!(py, "block_hashes"))?;
         let fine_len = fine.len()?;
         let k = bs / hbs;
         let mut get = |i: usize| -> Result<BlockHash, Error> {
             Ok(to_hash(&fine.get_item((i + 1) * k - 1)?)?)
         };
-        let mut meta = |positions: &[usize]| -> Result<StoredMeta, Error> {
-            let ranges: Vec<(usize, usize)> =
-                positions.iter().map(|&p| (p * bs, (p + 1) * bs)).collect();
-            Ok(stored_meta(
-                py,
-                request,
-                (num_cached * bs, num_full * bs),
-                &ranges,
-                0,
-            )?)
+        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
+            Ok(stored_meta(py, request, req)?)
         };
         Ok(self.inner.cache_full_blocks::<Error>(
-            &ids,
+            &new_ids,
             num_cached,
             num_full,
             bs,
@@ -345,9 +361,8 @@ impl PyBlockPool {
         let fine = request.getattr(intern!(py, "block_hashes"))?;
         let num_hashes = fine.len()?;
         let mut at = |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&fine.get_item(i)?)?) };
-        let mut meta = |s: usize, e: usize| -> Result<StoredMeta, Error> {
-            let mm = if s > 0 { -1 } else { 0 };
-            Ok(stored_meta(py, request, (s, e), &[(s, e)], mm)?)
+        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
+            Ok(stored_meta(py, request, req)?)
         };
         let key = self.inner.cache_partial_block::<Error>(
             b,
@@ -383,21 +398,7 @@ impl PyBlockPool {
             .filter(|&s| s > 0)
             .ok_or_else(|| invalid("stride must be positive"))?;
         let max = non_negative(max_num_blocks, "max_num_blocks")?;
-        let n = (block_hashes.len()? / stride).min(max);
-        let mut out: Vec<Vec<u32>> = vec![Vec::new(); kv_cache_group_ids.len()];
-        // Read and look up lazily: stop reading at the first miss.
-        for i in 0..n {
-            let h = to_hash(&block_hashes.get_item((i + 1) * stride - 1)?)?;
-            match self.inner.get_cached_block(&h, &kv_cache_group_ids) {
-                Some(found) => {
-                    for (dst, b) in out.iter_mut().zip(found) {
-                        dst.push(b);
-                    }
-                }
-                None => break,
-            }
-        }
-        Ok(out)
+        cached_prefix(&self.inner, block_hashes, max, &kv_cache_group_ids, stride)
     }
 
     fn evict_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -483,9 +484,13 @@ impl PyBlockPool {
 
 impl PyBlockPool {
     /// The core pool, for other binding modules.
-    #[allow(dead_code)]
     pub fn core(&self) -> &BlockPool {
         &self.inner
+    }
+
+    /// The core pool, mutably.
+    pub fn core_mut(&mut self) -> &mut BlockPool {
+        &mut self.inner
     }
 }
 

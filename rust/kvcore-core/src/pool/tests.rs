@@ -1,6 +1,7 @@
 //! Unit and model tests of the block pool. Rule ids refer to SPEC.md.
 
 use super::*;
+use crate::events::MetaRequest;
 use proptest::prelude::*;
 
 fn h(x: u8) -> BlockHash {
@@ -14,7 +15,7 @@ fn pool(n: i64) -> BlockPool {
 fn cache(p: &mut BlockPool, blocks: &[u32], hashes: &[BlockHash], num_cached: usize, gid: u32) {
     let mut get = |i: usize| -> Result<BlockHash, PoolError> { Ok(hashes[i]) };
     p.cache_full_blocks(
-        blocks,
+        &blocks[num_cached..],
         num_cached,
         blocks.len(),
         16,
@@ -24,7 +25,7 @@ fn cache(p: &mut BlockPool, blocks: &[u32], hashes: &[BlockHash], num_cached: us
             len: hashes.len(),
             get: &mut get,
         },
-        &mut |_| Ok(StoredMeta::default()),
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
     )
     .unwrap();
 }
@@ -147,7 +148,7 @@ fn map_1_duplicates_and_map_2_earliest() {
     p.get_new_blocks(6).unwrap();
     assert_eq!(p.get_cached_block(&h(2), &[0]), Some(vec![4]));
     assert_eq!(
-        p.longest_cached_prefix([h(1), h(2), h(3)].iter(), &[0]),
+        p.longest_cached_prefix([h(1), h(2), h(3)], &[0]),
         vec![vec![1, 4]]
     );
     assert_eq!(p.get_cached_block(&h(1), &[0, 1]), None);
@@ -171,7 +172,7 @@ fn pool_16_promotion_check() {
             len: 1,
             get: &mut get,
         },
-        &mut |_| Ok(StoredMeta::default()),
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
     );
     assert!(matches!(err, Err(PoolError::NotAPromotion { .. })));
     p.check_invariants().unwrap();
@@ -184,7 +185,7 @@ fn pool_30_partial_then_promotion() {
     let fine = [h(1), h(2), h(3), h(4)];
     let mut at = |i: usize| -> Result<BlockHash, PoolError> { Ok(fine[i]) };
     let key = p
-        .cache_partial_block(a[0], 32, 0, 64, 2, &mut at, &mut |_, _| {
+        .cache_partial_block(a[0], 32, 0, 64, 2, &mut at, &mut |_: &MetaRequest<'_>| {
             Ok(StoredMeta::default())
         })
         .unwrap()
@@ -192,7 +193,7 @@ fn pool_30_partial_then_promotion() {
     assert_eq!(key, BlockKey::new(h(2), 0));
     assert_eq!(p.primary_key(a[0]).map(|(_, n)| n), Some(32));
     // Partial 48 supersedes 32 (fewer tokens): old key removed, new one inserted.
-    p.cache_partial_block(a[0], 48, 0, 64, 3, &mut at, &mut |_, _| {
+    p.cache_partial_block(a[0], 48, 0, 64, 3, &mut at, &mut |_: &MetaRequest<'_>| {
         Ok(StoredMeta::default())
     })
     .unwrap();
@@ -211,7 +212,7 @@ fn pool_30_partial_then_promotion() {
             len: 1,
             get: &mut get,
         },
-        &mut |_| Ok(StoredMeta::default()),
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
     )
     .unwrap();
     assert_eq!(p.get_cached_block(&h(3), &[0]), None);
@@ -224,7 +225,7 @@ fn pool_30_partial_then_promotion() {
     assert_eq!(removed, 2);
     // Invalid partials leave the pool alone.
     assert!(p
-        .cache_partial_block(a[0], 64, 0, 64, 4, &mut at, &mut |_, _| Ok(
+        .cache_partial_block(a[0], 64, 0, 64, 4, &mut at, &mut |_: &MetaRequest<'_>| Ok(
             StoredMeta::default()
         ))
         .is_err());
