@@ -5,6 +5,19 @@ from typing import Any, final
 
 from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored
 
+__all__ = [
+    "BlockIdError",
+    "BlockList",
+    "BlockPool",
+    "BlockStateError",
+    "DoubleFreeError",
+    "InvalidArgumentError",
+    "KVCacheBlockView",
+    "KvcoreError",
+    "NoFreeBlocksError",
+    "UnitaryFullAttention",
+    "__version__",
+]
 __version__: str
 
 class KvcoreError(Exception):
@@ -45,7 +58,7 @@ class BlockList:
     """The read-only sequence behind ``BlockPool.blocks``."""
 
     def __len__(self) -> int: ...
-    def __getitem__(self, index: int) -> KVCacheBlockView: ...
+    def __getitem__(self, index: int, /) -> KVCacheBlockView: ...
 
 @final
 class BlockPool:
