@@ -33,11 +33,6 @@ import torch  # noqa: E402
 kvk_interpreter_patches.apply()
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Registers this suite's marker (the repository's pytest config uses --strict-markers)."""
-    config.addinivalue_line("markers", "kernels: Triton kernel tests (interpreter on the CPU)")
-
-
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
