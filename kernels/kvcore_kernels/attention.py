@@ -438,8 +438,10 @@ def _check_values(
             f"{block_size}, but block_table has {block_table.shape[1]} columns"
         )
     if max_need:
-        used = block_table[:, :max_need].to("cpu", torch.int64)
-        in_use = torch.arange(max_need)[None, :] < need[:, None]
+        # Checked where the table lives; only a flag (and, on failure, the culprit) comes back.
+        used = block_table[:, :max_need]
+        need_dev = need.to(used.device)
+        in_use = torch.arange(max_need, device=used.device)[None, :] < need_dev[:, None]
         bad = in_use & ((used < 0) | (used >= num_blocks))
         if bool(bad.any()):
             i, j = (int(x) for x in torch.nonzero(bad)[0])

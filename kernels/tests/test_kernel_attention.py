@@ -199,3 +199,36 @@ def test_default_split_heuristic() -> None:
     assert _default_num_splits(cpu, 256, 8, 1, 32768) == 1  # enough programs already
     assert _default_num_splits(cpu, 1, 8, 64, 32768) == 1  # prefill: no split
     assert _default_num_splits(cpu, 1, 8, 1, 512) == 1  # short context: no split
+
+
+def test_argument_forms_agree() -> None:
+    # uint8 cache + kv_cache_dtype == native float8 cache with "auto"; float scales == tensor
+    # scales; int32 metadata == int64 metadata.
+    batch = make_batch(
+        ctx_lens=[21, 4],
+        q_lens=[3, 2],
+        block_size=16,
+        num_kv_heads=2,
+        num_q_heads=4,
+        head_size=64,
+        dtype=F16,
+        kv_cache_dtype="fp8_e4m3",
+        k_scale=0.5,
+        v_scale=2.0,
+    )
+    q, kc, vc, bt, sl, qsl = batch.args()
+    base = kk.paged_attention(*batch.args(), **batch.kwargs)
+    native = kk.paged_attention(
+        q,
+        kc.view(torch.float8_e4m3fn),
+        vc.view(torch.float8_e4m3fn),
+        bt.long(),
+        sl.long(),
+        qsl.long(),
+        scale=batch.kwargs["scale"],
+        k_scale=torch.tensor([0.5]),
+        v_scale=torch.tensor(2.0),
+    )
+    assert torch.equal(base, native)
+    expected = ref.paged_attention(*batch.args(), **batch.kwargs)
+    torch.testing.assert_close(base.float(), expected.float(), atol=3e-3, rtol=3e-3)
