@@ -24,6 +24,7 @@ pub mod error;
 pub mod events;
 pub mod hash;
 pub mod hashing;
+pub mod msgpack;
 pub mod pool;
 pub mod value;
 

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 
 mod errors;
 mod events;
+mod msgpack;
 
 /// The extension module.
 #[pymodule]
@@ -16,6 +17,10 @@ mod _native {
 
     #[pymodule_export]
     use super::errors::KvcoreError;
+    #[pymodule_export]
+    use super::msgpack::encode_event_batch;
+    #[pymodule_export]
+    use super::msgpack::msgpack_encode;
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
