@@ -1,5 +1,7 @@
 """Type stubs of the native extension ``kvcore._native``."""
 
+from typing import Any
+
 __version__: str
 
 class KvcoreError(Exception):
@@ -8,7 +10,7 @@ class KvcoreError(Exception):
 # --- events ---
 
 def encode_event_batch(
-    ts: float, events: list[object] | tuple[object, ...], data_parallel_rank: int | None = None
+    ts: float, events: list[Any] | tuple[Any, ...], data_parallel_rank: int | None = None
 ) -> bytes:
     """Encodes ``[ts, [events], data_parallel_rank]`` as msgpack (SPEC WIRE-2, WIRE-3).
 

@@ -283,7 +283,12 @@ _REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 _OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
-    "BlockStored": ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"),
+    "BlockStored": (
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+    ),
     "BlockRemoved": ("group_idx",),
     "AllBlocksCleared": (),
 }
@@ -584,6 +589,8 @@ class ZmqEventPublisher(EventPublisher):
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvcore-zmq-publisher", daemon=True)
         self._thread.start()
+
+    offset_endpoint_port = staticmethod(offset_endpoint_port)
 
     @property
     def endpoint(self) -> str | None:
