@@ -667,7 +667,10 @@ def _random_key_item(rng: random.Random, depth: int = 0) -> Any:
 
 def _random_event_fields(rng: random.Random) -> tuple[str, dict[str, Any]]:
     kind = rng.choice(["BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared"])
-    opt = lambda v: v if rng.random() < 0.5 else None  # noqa: E731
+
+    def opt(v: Any) -> Any:
+        return v if rng.random() < 0.5 else None
+
     if kind == "BlockStored":
         n = rng.randrange(0, 20)
         extra = None
@@ -767,13 +770,13 @@ def test_reference_aggregator(ref: Any) -> None:
                 theirs.add_events([getattr(ref, k)(**f) for k, f in picks])
             elif op < 0.75:
                 c = rng.choice([1, 2, 0, -1])
-                outcomes = []
+                outcomes: list[str] = []
                 for agg in (ours, theirs):
                     try:
                         agg.increment_workers(c)
-                        outcomes.append(None)
+                        outcomes.append("ok")
                     except ValueError:
-                        outcomes.append(ValueError)
+                        outcomes.append("ValueError")
                 assert outcomes[0] == outcomes[1]
             elif op < 0.85:
                 ours.reset_workers()
