@@ -10,7 +10,10 @@
 use kvcore_core::msgpack::{self as mp, LengthError};
 use pyo3::exceptions::{PyOverflowError, PyRecursionError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple, PyType,
+};
 
 /// Nesting deeper than this raises RecursionError (a list that contains itself, say).
 const MAX_DEPTH: usize = 1000;
@@ -38,20 +41,25 @@ fn write_value(buf: &mut Vec<u8>, obj: &Bound<'_, PyAny>, depth: usize) -> PyRes
             "maximum recursion depth exceeded while encoding an object",
         ));
     }
-    if obj.is_none() {
-        mp::write_nil(buf);
-    } else if let Ok(b) = obj.downcast_exact::<PyBool>() {
-        mp::write_bool(buf, b.is_true());
-    } else if obj.is_exact_instance_of::<PyInt>() {
-        if let Ok(i) = obj.extract::<i64>() {
-            mp::write_int(buf, i);
-        } else if let Ok(u) = obj.extract::<u64>() {
+    // Ints first: they are most of what an event holds.
+    if obj.is_exact_instance_of::<PyInt>() {
+        // `u64` first: CPython converts one-digit ints (token ids) and ints from 2**63 up
+        // (half of all event hashes) without raising, while the `i64` route raises (and a
+        // Python exception costs far more than the conversion) for every value from 2**63 up.
+        // Only negative ints pay for a failed attempt.
+        if let Ok(u) = obj.extract::<u64>() {
             mp::write_uint(buf, u);
+        } else if let Ok(i) = obj.extract::<i64>() {
+            mp::write_int(buf, i);
         } else {
             return Err(PyOverflowError::new_err(
                 "can't serialize ints < -2**63 or > 2**64 - 1",
             ));
         }
+    } else if obj.is_none() {
+        mp::write_nil(buf);
+    } else if let Ok(b) = obj.downcast_exact::<PyBool>() {
+        mp::write_bool(buf, b.is_true());
     } else if let Ok(f) = obj.downcast_exact::<PyFloat>() {
         mp::write_f64(buf, f.value());
     } else if let Ok(s) = obj.downcast_exact::<PyString>() {
@@ -73,59 +81,110 @@ fn write_value(buf: &mut Vec<u8>, obj: &Bound<'_, PyAny>, depth: usize) -> PyRes
     Ok(())
 }
 
-/// Required and optional fields of each event class, in EVT-1 order.
-fn event_fields(name: &str) -> Option<(&'static [&'static str], &'static [&'static str])> {
-    match name {
-        "BlockStored" => Some((
-            &[
-                "block_hashes",
-                "parent_block_hash",
-                "token_ids",
-                "block_size",
-                "lora_id",
-                "medium",
-                "lora_name",
-            ],
-            &[
-                "extra_keys",
-                "group_idx",
-                "kv_cache_spec_kind",
-                "kv_cache_spec_sliding_window",
-            ],
-        )),
-        "BlockRemoved" => Some((&["block_hashes", "medium"], &["group_idx"])),
-        "AllBlocksCleared" => Some((&[], &[])),
-        _ => None,
+/// Every event field, in EVT-1 order (`BlockStored`'s order; `BlockRemoved` uses a subset).
+const FIELDS: [&str; 11] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+];
+
+/// The field names as Python strings, made once.
+static FIELD_NAMES: GILOnceCell<Vec<Py<PyString>>> = GILOnceCell::new();
+
+/// An event class, told apart by name.
+#[derive(Clone, Copy)]
+enum Kind {
+    Stored,
+    Removed,
+    Cleared,
+}
+
+impl Kind {
+    fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "BlockStored" => Some(Self::Stored),
+            "BlockRemoved" => Some(Self::Removed),
+            "AllBlocksCleared" => Some(Self::Cleared),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Stored => "BlockStored",
+            Self::Removed => "BlockRemoved",
+            Self::Cleared => "AllBlocksCleared",
+        }
+    }
+
+    /// Indices into [`FIELDS`] of the required and the optional fields (SPEC EVT-1).
+    fn fields(self) -> (&'static [usize], &'static [usize]) {
+        match self {
+            Self::Stored => (&[0, 1, 2, 3, 4, 5, 6], &[7, 8, 9, 10]),
+            Self::Removed => (&[0, 5], &[8]),
+            Self::Cleared => (&[], &[]),
+        }
+    }
+}
+
+/// Classifies events by class name, remembering the classes already seen in one batch.
+#[derive(Default)]
+struct KindCache<'py> {
+    seen: Vec<(Bound<'py, PyType>, Kind)>,
+}
+
+impl<'py> KindCache<'py> {
+    fn kind(&mut self, ev: &Bound<'py, PyAny>) -> PyResult<Kind> {
+        let ty = ev.get_type();
+        if let Some((_, k)) = self.seen.iter().find(|(t, _)| t.is(&ty)) {
+            return Ok(*k);
+        }
+        let name = ty.name()?;
+        let name = name.to_str()?;
+        let Some(kind) = Kind::from_name(name) else {
+            return Err(PyTypeError::new_err(format!(
+                "cannot encode an event of type {name}: expected BlockStored, BlockRemoved or \
+                 AllBlocksCleared"
+            )));
+        };
+        self.seen.push((ty, kind));
+        Ok(kind)
     }
 }
 
 /// Appends one event as a map: `"type"` first, then the fields in EVT-1 order; optional fields
 /// that are None are left out, required ones are written as nil (SPEC WIRE-3).
-fn write_event(buf: &mut Vec<u8>, ev: &Bound<'_, PyAny>) -> PyResult<()> {
-    let class = ev.get_type().name()?;
-    let class = class.to_str()?;
-    let Some((required, optional)) = event_fields(class) else {
-        return Err(PyTypeError::new_err(format!(
-            "cannot encode an event of type {class}: expected BlockStored, BlockRemoved or \
-             AllBlocksCleared"
-        )));
-    };
+fn write_event(
+    buf: &mut Vec<u8>,
+    ev: &Bound<'_, PyAny>,
+    kind: Kind,
+    names: &[Py<PyString>],
+) -> PyResult<()> {
     let py = ev.py();
+    let (required, optional) = kind.fields();
     let mut values = Vec::with_capacity(required.len() + optional.len());
-    for &f in required {
-        values.push((f, ev.getattr(PyString::intern(py, f))?));
+    for &i in required {
+        values.push((i, ev.getattr(names[i].bind(py))?));
     }
-    for &f in optional {
-        let v = ev.getattr(PyString::intern(py, f))?;
+    for &i in optional {
+        let v = ev.getattr(names[i].bind(py))?;
         if !v.is_none() {
-            values.push((f, v));
+            values.push((i, v));
         }
     }
     mp::write_map_len(buf, values.len() + 1).map_err(length_err)?;
     mp::write_str(buf, "type").map_err(length_err)?;
-    mp::write_str(buf, class).map_err(length_err)?;
-    for (f, v) in &values {
-        mp::write_str(buf, f).map_err(length_err)?;
+    mp::write_str(buf, kind.name()).map_err(length_err)?;
+    for (i, v) in &values {
+        mp::write_str(buf, FIELDS[*i]).map_err(length_err)?;
         write_value(buf, v, 1)?;
     }
     Ok(())
@@ -157,8 +216,16 @@ pub fn encode_event_batch<'py>(
     mp::write_array_len(&mut buf, 3).map_err(length_err)?;
     write_value(&mut buf, ts, 1)?;
     mp::write_array_len(&mut buf, events.len()).map_err(length_err)?;
+    let names = FIELD_NAMES.get_or_init(py, || {
+        FIELDS
+            .iter()
+            .map(|f| PyString::intern(py, f).unbind())
+            .collect()
+    });
+    let mut kinds = KindCache::default();
     for ev in &events {
-        write_event(&mut buf, ev)?;
+        let kind = kinds.kind(ev)?;
+        write_event(&mut buf, ev, kind, names)?;
     }
     match data_parallel_rank {
         Some(r) => write_value(&mut buf, r, 1)?,
