@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import struct
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -620,6 +622,14 @@ def test_zmq_pub_sub_and_replay() -> None:
         assert [r[1] for r in replies] == [(seq0 + 2 + i).to_bytes(8, "big") for i in range(3)] + [
             END_SEQ
         ]
+        # shutdown sends what is still queued before it closes the sockets.
+        tail = [KVEventBatch(10.0 + i) for i in range(5)]
+        for b in tail:
+            pub.publish(b)
+        pub.shutdown()
+        got = [_recv(sub) for _ in tail]
+        assert [int.from_bytes(f[1], "big") for f in got] == list(range(seq0 + 5, seq0 + 10))
+        assert [f[2] for f in got] == [encode_event_batch(b) for b in tail]
     finally:
         pub.shutdown()
         sub.close(linger=0)
@@ -627,6 +637,20 @@ def test_zmq_pub_sub_and_replay() -> None:
     with pytest.raises(RuntimeError):
         pub.publish(KVEventBatch(0.0))
     pub.shutdown()  # a second shutdown is harmless
+
+
+def test_zmq_is_imported_lazily() -> None:
+    """pyzmq is optional: importing kvcore.events does not import it."""
+    code = "import sys, kvcore.events; sys.exit('zmq' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_zmq_publisher_without_pyzmq(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without pyzmq the zmq publisher raises ImportError; the null one still works."""
+    monkeypatch.setitem(sys.modules, "zmq", None)
+    with pytest.raises(ImportError, match="pyzmq"):
+        make_event_publisher("zmq", endpoint="inproc://nowhere")
+    assert isinstance(make_event_publisher(enable_kv_cache_events=False), NullEventPublisher)
 
 
 def test_zmq_tcp_connect_offsets_port() -> None:

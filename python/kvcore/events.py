@@ -3,6 +3,15 @@
 The pool emits ``BlockStored`` when blocks enter the prefix cache, ``BlockRemoved`` when a key
 leaves it, and ``AllBlocksCleared`` on a successful reset. Field names, order and defaults follow
 the reference so that existing KV-aware routers can consume them.
+
+Also here:
+- how hashes appear in events (`to_external_block_hash`, SPEC EVT-2);
+- the msgpack wire format (`encode_event_batch`, native and byte-identical to the reference's
+  msgspec encoder; `decode_event_batch`, pure Python) (SPEC WIRE-2, WIRE-3);
+- `KVEventAggregator`, which merges the events of several workers (SPEC EVT-4);
+- publishers: `NullEventPublisher`, `ZmqEventPublisher` (PUB socket, replay ROUTER socket;
+  needs the optional dependency pyzmq, imported only when one is created) and
+  `make_event_publisher` (SPEC WIRE-4..6).
 """
 
 from __future__ import annotations
