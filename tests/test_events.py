@@ -7,13 +7,15 @@ import struct
 import subprocess
 import sys
 import time
+import types
+from collections import Counter
 from typing import Any
 
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcore import _native
+from kvcore import BlockPool, _native
 from kvcore.events import (
     END_SEQ,
     AllBlocksCleared,
@@ -410,6 +412,53 @@ def test_evt2_env_not_an_int_raises(monkeypatch: pytest.MonkeyPatch, raw: str) -
     with pytest.raises(ValueError):
         to_external_block_hash(B1_SHA256_CBOR)
     assert to_external_block_hash(B1_SHA256_CBOR, as_int=False) == B1_SHA256_CBOR
+
+
+def _pool_events(monkeypatch: pytest.MonkeyPatch, raw: str | None) -> list[KVCacheEvent]:
+    """Caches B1, B2 (sha256_cbor) in a native pool, evicts B1, returns the events."""
+    if raw is None:
+        monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raw)
+    pool = BlockPool(8, True, 16, enable_kv_cache_events=True)
+    request = types.SimpleNamespace(
+        request_id="r",
+        block_hashes=[B1_SHA256_CBOR, B2_SHA256_CBOR],
+        all_token_ids=list(range(1, 33)),
+        lora_request=None,
+        mm_features=[],
+        cache_salt=None,
+        prompt_embeds=None,
+    )
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(request, blocks, 0, 2, 16, 0)
+    pool.evict_blocks({blocks[0]})
+    events: list[KVCacheEvent] = pool.take_events()
+    return events
+
+
+@pytest.mark.parametrize("raw", [None, "1", "0"])
+def test_evt2_native_pool_events(monkeypatch: pytest.MonkeyPatch, raw: str | None) -> None:
+    """EVT-2: the pool's events carry ints (TV-B) by default and raw digests for "0"."""
+    stored, removed = _pool_events(monkeypatch, raw)
+    as_int = raw != "0"
+    b1 = 3236607068019569386 if as_int else B1_SHA256_CBOR
+    b2 = 2758186210834249151 if as_int else B2_SHA256_CBOR
+    # One extra-keys entry per stored block, None when a block has none (POOL-17).
+    assert stored == BlockStored(
+        [b1, b2], None, list(range(1, 33)), 16, None, "GPU", None, [None, None], 0
+    )
+    assert removed == BlockRemoved([b1], "GPU", 0)
+    data = encode_event_batch(KVEventBatch(1.5, [stored, removed]))
+    assert decode_event_batch(data) == KVEventBatch(1.5, [stored, removed])
+    if as_int:
+        assert b"\xcf" + (3236607068019569386).to_bytes(8, "big") in data
+
+
+def test_evt2_native_pool_env_not_an_int(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EVT-2: "true" is not an integer: reading it raises ValueError."""
+    with pytest.raises(ValueError):
+        _pool_events(monkeypatch, "true")
 
 
 def test_evt2_short_and_long_hashes() -> None:
@@ -834,3 +883,58 @@ def test_reference_endpoint_offsets(ref: Any) -> None:
         except ValueError:
             got = ValueError
         assert got == want, (endpoint, rank)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("raw", ["1", "0"])
+def test_reference_pool_event_bytes(ref: Any, monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    """EVT-1..3, WIRE-3: random pool histories publish the reference's bytes, duplicates kept."""
+    import msgspec
+
+    ref_pool_mod = pytest.importorskip("vllm.v1.core.block_pool")
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raw)
+    encoder = msgspec.msgpack.Encoder()
+    rng = random.Random(11)
+    kinds: Counter[str] = Counter()
+    for _ in range(10):
+        ours = BlockPool(12, True, 16, enable_kv_cache_events=True)
+        theirs = ref_pool_mod.BlockPool(12, True, 16, enable_kv_cache_events=True)
+        seen: list[bytes] = []
+        for _ in range(15):
+            op = rng.random()
+            if op < 0.6:
+                n = rng.randrange(1, min(4, theirs.get_num_free_blocks()) + 1)
+                hashes = [
+                    rng.choice(seen) if seen and rng.random() < 0.3 else rng.randbytes(32)
+                    for _ in range(n)
+                ]
+                seen.extend(hashes)
+                req = types.SimpleNamespace(
+                    request_id="r",
+                    block_hashes=hashes,
+                    all_token_ids=[rng.randrange(50000) for _ in range(16 * n)],
+                    lora_request=None,
+                    mm_features=[],
+                    cache_salt=None,
+                    prompt_embeds=None,
+                )
+                ref_blocks = theirs.get_new_blocks(n)
+                our_blocks = ours.get_new_blocks(n)
+                assert our_blocks == [b.block_id for b in ref_blocks]
+                cached = rng.randrange(n)
+                gid = rng.randrange(2)
+                theirs.cache_full_blocks(req, ref_blocks, cached, n, 16, gid)
+                ours.cache_full_blocks(req, our_blocks, cached, n, 16, gid)
+                theirs.free_blocks(ref_blocks)
+                ours.free_blocks(our_blocks)
+            elif op < 0.9:
+                ids = {rng.randrange(1, 12) for _ in range(3)}
+                theirs.evict_blocks(ids)
+                ours.evict_blocks(ids)
+            else:
+                assert ours.reset_prefix_cache() == theirs.reset_prefix_cache()
+            ref_events = theirs.take_events()
+            kinds.update(type(e).__name__ for e in ref_events)
+            want = encoder.encode(ref.KVEventBatch(ts=0.0, events=ref_events))
+            assert encode_event_batch(KVEventBatch(0.0, ours.take_events())) == want
+    assert kinds["BlockStored"] > 20 and kinds["BlockRemoved"] > 20 and kinds["AllBlocksCleared"]

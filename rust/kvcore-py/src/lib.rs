@@ -8,7 +8,9 @@ use pyo3::prelude::*;
 
 mod errors;
 mod events;
+mod manager;
 mod msgpack;
+mod pool;
 
 /// The extension module.
 #[pymodule]
@@ -16,7 +18,11 @@ mod _native {
     use pyo3::prelude::*;
 
     #[pymodule_export]
-    use super::errors::KvcoreError;
+    use super::pool::{BlockList, KVCacheBlockView, PyBlockPool};
+
+    #[pymodule_export]
+    use super::manager::PyUnitaryFullAttention;
+
     #[pymodule_export]
     use super::msgpack::encode_event_batch;
     #[pymodule_export]
@@ -25,6 +31,6 @@ mod _native {
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        Ok(())
+        super::errors::register(m)
     }
 }
