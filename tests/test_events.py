@@ -414,7 +414,9 @@ def test_evt2_env_not_an_int_raises(monkeypatch: pytest.MonkeyPatch, raw: str) -
     assert to_external_block_hash(B1_SHA256_CBOR, as_int=False) == B1_SHA256_CBOR
 
 
-def _pool_events(monkeypatch: pytest.MonkeyPatch, raw: str | None) -> list[KVCacheEvent]:
+def _pool_events(
+    monkeypatch: pytest.MonkeyPatch, raw: str | None
+) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
     """Caches B1, B2 (sha256_cbor) in a native pool, evicts B1, returns the events."""
     if raw is None:
         monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
@@ -433,8 +435,7 @@ def _pool_events(monkeypatch: pytest.MonkeyPatch, raw: str | None) -> list[KVCac
     blocks = pool.get_new_blocks(2)
     pool.cache_full_blocks(request, blocks, 0, 2, 16, 0)
     pool.evict_blocks({blocks[0]})
-    events: list[KVCacheEvent] = pool.take_events()
-    return events
+    return pool.take_events()
 
 
 @pytest.mark.parametrize("raw", [None, "1", "0"])
