@@ -6,6 +6,7 @@ import random
 import struct
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections import Counter
@@ -701,6 +702,51 @@ def test_zmq_publisher_without_pyzmq(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ImportError, match="pyzmq"):
         make_event_publisher("zmq", endpoint="inproc://nowhere")
     assert isinstance(make_event_publisher(enable_kv_cache_events=False), NullEventPublisher)
+
+
+class _BlockingSocket:
+    """Stands in for the PUB socket: each send waits until the test lets it through."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.sent: list[bytes] = []
+        self.closed = False
+
+    def send_multipart(self, frames: tuple[bytes, bytes, bytes]) -> None:
+        assert self.gate.wait(10)
+        self.sent.append(frames[1])
+
+    def close(self, linger: int = 0) -> None:
+        self.closed = True
+
+
+def test_zmq_publish_blocks_while_the_queue_is_full() -> None:
+    """WIRE-4: at most max_queue_size batches wait; publish blocks until one leaves."""
+    pytest.importorskip("zmq")
+    pub = ZmqEventPublisher(
+        0, endpoint=f"inproc://kvcore-full-{time.monotonic_ns()}", max_queue_size=1
+    )
+    real, fake = pub._pub, _BlockingSocket()
+    pub._pub = fake
+    real.close(linger=0)
+    try:
+        pub.publish(KVEventBatch(0.0))  # taken by the thread, which then waits in send
+        deadline = time.monotonic() + 5
+        while not pub._queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pub.publish(KVEventBatch(1.0))  # fills the queue
+        third = threading.Thread(target=pub.publish, args=(KVEventBatch(2.0),))
+        third.start()
+        third.join(0.3)
+        assert third.is_alive(), "publish returned although the queue was full"
+        fake.gate.set()
+        third.join(5)
+        assert not third.is_alive()
+    finally:
+        fake.gate.set()
+        pub.shutdown()
+    assert fake.sent == [i.to_bytes(8, "big") for i in range(3)]
+    assert fake.closed
 
 
 def test_zmq_tcp_connect_offsets_port() -> None:
