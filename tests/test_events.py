@@ -16,6 +16,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvcore import BlockPool, _native
 from kvcore.events import (
     END_SEQ,
