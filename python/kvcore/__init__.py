@@ -4,10 +4,20 @@ The block pool and block hashing live in a Rust core (``kvcore._native``); the r
 manager, coordinators, specs and requests are Python modules of this package.
 """
 
-from kvcore._native import KvcoreError, __version__
+from kvcore._native import (
+    BlockIdError,
+    BlockPool,
+    BlockStateError,
+    DoubleFreeError,
+    InvalidArgumentError,
+    KVCacheBlockView,
+    KvcoreError,
+    NoFreeBlocksError,
+    __version__,
+)
 from kvcore.blocks import KVCacheBlocks
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
+from kvcore.errors import InvalidConfigError, InvariantViolationError
 from kvcore.manager import KVCacheManager, PrefixCacheStats
 from kvcore.request import Request, RequestStatus
 from kvcore.specs import (
@@ -28,14 +38,19 @@ from kvcore.specs import (
 )
 
 __all__ = [
+    "BlockIdError",
+    "BlockPool",
+    "BlockStateError",
     "ChunkedLocalAttentionSpec",
     "CrossAttentionSpec",
+    "DoubleFreeError",
     "EncoderOnlyAttentionSpec",
     "FullAttentionSpec",
     "HiddenStateCacheSpec",
     "InvalidArgumentError",
     "InvalidConfigError",
     "InvariantViolationError",
+    "KVCacheBlockView",
     "KVCacheBlocks",
     "KVCacheConfig",
     "KVCacheGroupSpec",
@@ -45,6 +60,7 @@ __all__ = [
     "KvcoreError",
     "MLAAttentionSpec",
     "MambaSpec",
+    "NoFreeBlocksError",
     "PrefixCacheStats",
     "RSWASpec",
     "Request",
