@@ -50,11 +50,25 @@ class ManagerMachine(RuleBasedStateMachine):
 
     SPECS: tuple[KVCacheSpec, ...] = (FullAttentionSpec(block_size=BS, **ATTN),)
     NUM_BLOCKS = 24
+    NATIVE = True
 
     def __init__(self) -> None:
         super().__init__()
         groups = [KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(self.SPECS)]
-        self.mgr = KVCacheManager(
+        saved = KVCacheManager.use_native_fast_path
+        KVCacheManager.use_native_fast_path = self.NATIVE
+        try:
+            self.mgr = self._build(groups)
+        finally:
+            KVCacheManager.use_native_fast_path = saved
+        self.pool: Any = self.mgr.block_pool
+        self.running: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.content: dict[int, tuple[int, ...]] = {}
+        self.next_id = 0
+
+    def _build(self, groups: list[KVCacheGroupSpec]) -> KVCacheManager:
+        return KVCacheManager(
             KVCacheConfig(self.NUM_BLOCKS, [], groups),
             max_model_len=256,
             scheduler_block_size=BS,
@@ -62,11 +76,6 @@ class ManagerMachine(RuleBasedStateMachine):
             max_num_batched_tokens=128,
             enable_kv_cache_events=True,
         )
-        self.pool: Any = self.mgr.block_pool
-        self.running: dict[str, Request] = {}
-        self.waiting: list[Request] = []
-        self.content: dict[int, tuple[int, ...]] = {}
-        self.next_id = 0
 
     # -- model helpers ---------------------------------------------------------------------
 
@@ -214,6 +223,16 @@ ManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_full_attention_manager = ManagerMachine.TestCase
+
+
+class PythonFullMachine(ManagerMachine):
+    """The same single full-attention group on the Python coordinator path."""
+
+    NATIVE = False
+
+
+PythonFullMachine.TestCase.settings = ManagerMachine.TestCase.settings
+test_full_attention_python_path = PythonFullMachine.TestCase
 
 
 class HybridMachine(ManagerMachine):

@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvcore._native import BlockPool
 from kvcore.errors import InvalidConfigError, InvariantViolationError
 from kvcore.single_type import (
     BlockPoolLike,
@@ -58,8 +59,6 @@ def read_retention_interval() -> int | None:
 def _new_block_pool(
     num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, enable_kv_cache_events: bool
 ) -> BlockPoolLike:
-    from kvcore._native import BlockPool  # type: ignore[attr-defined]
-
     pool: BlockPoolLike = BlockPool(
         num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events
     )

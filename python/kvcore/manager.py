@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from kvcore.blocks import KVCacheBlocks
 from kvcore.coordinator import get_kv_cache_coordinator
@@ -93,6 +93,11 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Allocates and frees KV cache blocks for requests (SPEC §8).
 
+    With a single full-attention group (the common case) the per-request calls run in Rust
+    (``kvcore._native.UnitaryFullAttention``); other configurations run the Python
+    coordinators of :mod:`kvcore.coordinator`. Set the class attribute
+    ``use_native_fast_path = False`` before construction to force the Python path.
+
     Attributes:
         max_model_len: Longest sequence.
         enable_caching: Whether prefix caching is on.
@@ -107,6 +112,9 @@ class KVCacheManager:
         kv_cache_event_metadata: Per group, the event kind and window (MGR-4).
         empty_kv_cache_blocks: The shared empty result (MGR-3).
     """
+
+    use_native_fast_path: ClassVar[bool] = True
+    """Route a single full-attention group to the Rust manager (see the class docs)."""
 
     def __init__(
         self,
@@ -190,6 +198,9 @@ class KVCacheManager:
             if len(managers) == 1 and (type(managers[0]) is FullAttentionManager)
             else None
         )
+        self._native: Any = None
+        if self._fast is not None and self.use_native_fast_path:
+            self._install_native(self._fast)
         self._clip_sizes = tuple(
             g.kv_cache_spec.block_size
             if isinstance(g.kv_cache_spec, AttentionSpec)
@@ -197,6 +208,42 @@ class KVCacheManager:
             else None
             for g in kv_cache_config.kv_cache_groups
         )
+
+    def _install_native(self, stm: FullAttentionManager) -> None:
+        """Routes the per-request calls of a single full-attention group to Rust.
+
+        ``kvcore._native.UnitaryFullAttention`` owns the request state of that configuration
+        and answers each call in one boundary crossing. Its bound methods replace this
+        instance's methods, so a call costs no Python frame of its own. The Python coordinator
+        stays for construction checks and the pool; its managers then hold no requests.
+        """
+        from kvcore._native import BlockPool, UnitaryFullAttention
+
+        native = UnitaryFullAttention(
+            cast(BlockPool, self.block_pool),
+            stm.block_size,
+            stm._records_new_ids,
+            self.max_model_len,
+            self.watermark_blocks,
+            stm.use_eagle,
+            KVCacheBlocks,
+            self.empty_kv_cache_blocks,
+        )
+        self._native = native
+        names = [
+            "allocate_slots",
+            "free",
+            "pop_blocks_for_free",
+            "get_blocks",
+            "get_block_ids",
+            "get_block_ids_for_computed_tokens",
+            "get_num_common_prefix_blocks",
+            "take_new_block_ids",
+        ]
+        if not self.log_stats:
+            names.append("get_computed_blocks")
+        for name in names:
+            setattr(self, name, getattr(native, name))
 
     @property
     def usage(self) -> float:
@@ -227,6 +274,12 @@ class KVCacheManager:
         Returns:
             The hit blocks and the number of hit tokens.
         """
+        if self._native is not None:
+            found: tuple[KVCacheBlocks, int] = self._native.get_computed_blocks(request)
+            stats = self.prefix_cache_stats
+            if stats is not None and self.enable_caching and not request.skip_reading_prefix_cache:
+                stats.record(request.num_tokens, found[1], request.num_preemptions > 0)
+            return found
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         num_tokens = request.num_tokens
@@ -504,7 +557,10 @@ class KVCacheManager:
             num_computed_tokens: Tokens to cover, cached ones included.
         """
         if self.enable_caching:
-            self.coordinator.cache_blocks(request, num_computed_tokens)
+            if self._native is not None:
+                self._native.cache_blocks(request, num_computed_tokens)
+            else:
+                self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[int], ...]) -> KVCacheBlocks:
         """Wraps per-group ids; the shared empty instance when all are empty (MGR-3).
