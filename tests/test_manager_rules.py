@@ -664,7 +664,9 @@ def test_coord_1_selection() -> None:
     for specs in ([], [full()], [full(), swa()]):
         m = make_manager(8, specs, enable_caching=False, sbs=16, hbs=16)
         assert isinstance(m.coordinator, KVCacheCoordinatorNoPrefixCache)
-        assert m.get_num_common_prefix_blocks("x") == [0] * len(specs)
+        if specs:
+            assert m.allocate_slots(req("x", r1to(20)), 20) is not None
+        assert m.get_num_common_prefix_blocks("x") == [0] * len(specs)  # COORD-8
 
 
 def test_coord_2_divisibility_pool_and_eagle_groups() -> None:

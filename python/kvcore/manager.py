@@ -237,9 +237,11 @@ class KVCacheManager:
             "get_blocks",
             "get_block_ids",
             "get_block_ids_for_computed_tokens",
-            "get_num_common_prefix_blocks",
             "take_new_block_ids",
         ]
+        if self.enable_caching:
+            # COORD-8: without caching the count is always 0, which the Python path returns.
+            names.append("get_num_common_prefix_blocks")
         if not self.log_stats:
             names.append("get_computed_blocks")
         for name in names:
