@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from kvcore.blocks import KVCacheBlocks
-from kvcore.coordinator import get_kv_cache_coordinator
+from kvcore.coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
 from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
 from kvcore.events import BlockStored, KVCacheEvent
 from kvcore.request import RequestStatus
-from kvcore.single_type import FullAttentionManager
+from kvcore.single_type import FullAttentionManager, SingleTypeKVCacheManager
 from kvcore.specs import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -46,6 +46,7 @@ __all__ = ["KVCacheManager", "PrefixCacheStats"]
 
 logger = logging.getLogger(__name__)
 
+_NOT_RUNNING = object()
 _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
 
@@ -192,15 +193,35 @@ class KVCacheManager:
         )
         self._empty_blocks = self.empty_kv_cache_blocks.blocks
         managers = self.coordinator.single_type_managers
-        # Decode fast path: one plain full-attention group (the common case).
-        self._fast = (
+        single_full = (
             managers[0]
-            if len(managers) == 1 and (type(managers[0]) is FullAttentionManager)
+            if len(managers) == 1 and type(managers[0]) is FullAttentionManager
             else None
         )
+        # Decode fast path over groups that keep the base allocation and caching rules.
+        base = SingleTypeKVCacheManager
+        simple = all(
+            type(m).get_num_blocks_to_allocate is base.get_num_blocks_to_allocate
+            and type(m).allocate_new_blocks is base.allocate_new_blocks
+            and type(m).cache_blocks is base.cache_blocks
+            for m in managers
+        )
+        self._decode_groups: tuple[
+            tuple[SingleTypeKVCacheManager, int, dict[str, int], dict[str, list[int]]], ...
+        ] = (
+            tuple((m, m.block_size, m.num_cached_block, m.req_to_blocks) for m in managers)
+            if simple and managers
+            else ()
+        )
+        coordinator = self.coordinator
+        self._hybrid_sbs = (
+            coordinator.scheduler_block_size
+            if isinstance(coordinator, HybridKVCacheCoordinator)
+            else 0
+        )
         self._native: Any = None
-        if self._fast is not None and self.use_native_fast_path:
-            self._install_native(self._fast)
+        if single_full is not None and self.use_native_fast_path:
+            self._install_native(single_full)
         self._clip_sizes = tuple(
             g.kv_cache_spec.block_size
             if isinstance(g.kv_cache_spec, AttentionSpec)
@@ -367,33 +388,12 @@ class KVCacheManager:
         if need_slot > max_model_len:
             need_slot = max_model_len
 
-        fast = self._fast
-        if (
-            fast is not None
-            and ncb is empty
-            and not ext
-            and not full_sequence_must_fit
-            and request_id in fast.num_cached_block
-        ):
-            # Decode fast path: a running request in one full-attention group. Skipping
-            # remove_skipped_blocks is exact (full attention skips nothing); the rest is
-            # ALLOC-7/9/11 inlined.
-            blocks = fast.req_to_blocks[request_id]
-            n = -(-need_slot // fast.block_size) - len(blocks)
-            if n < 0:
-                n = 0
-            if (n or wm or reserved_blocks) and (
-                n + wm > self.block_pool.get_num_free_blocks() - reserved_blocks
-            ):
-                return None
-            new: list[int] = fast.allocate_new_blocks(request_id, need_slot, main) if n else []
-            if self.enable_caching and not delay_cache_blocks:
-                to_cache = main if main < request.num_tokens else request.num_tokens
-                if fast.num_cached_block[request_id] < to_cache // fast.block_size:
-                    fast.cache_blocks(request, to_cache)
-            if new:
-                return KVCacheBlocks((new,), self.block_pool)
-            return self.empty_kv_cache_blocks
+        if ncb is empty and not ext and not full_sequence_must_fit and self._decode_groups:
+            out = self._allocate_running(
+                request, request_id, total, main, need_slot, wm, reserved_blocks, delay_cache_blocks
+            )
+            if out is not _NOT_RUNNING:
+                return out  # type: ignore[return-value]
 
         coordinator = self.coordinator
         if full_sequence_must_fit:
@@ -421,6 +421,77 @@ class KVCacheManager:
             num_tokens = request.num_tokens
             coordinator.cache_blocks(request, main if main < num_tokens else num_tokens)
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _allocate_running(
+        self,
+        request: Request,
+        request_id: str,
+        total: int,
+        main: int,
+        need_slot: int,
+        wm: int,
+        reserved_blocks: int,
+        delay_cache_blocks: bool,
+    ) -> KVCacheBlocks | object | None:
+        """ALLOC-6..12 for a request running in every group, without hits or external tokens.
+
+        Exact for managers that keep the base STM-2/STM-3/STM-6 (all but Mamba and
+        cross-attention): STM-2's running branch reduces to ``max(cdiv(n, bs) - held, 0)``,
+        the groups' STM-3 allocations are popped in one pool call and split in group order
+        (the same blocks, evictions and events as one call per group), and STM-6 is called only
+        for groups with newly full blocks (it returns early for the others).
+
+        Returns:
+            As :meth:`allocate_slots`, or ``_NOT_RUNNING`` when some group does not list the
+            request as running (the caller then takes the general path).
+        """
+        groups = self._decode_groups
+        for _m, _bs, cached, _tables in groups:
+            if request_id not in cached:
+                return _NOT_RUNNING
+        coordinator = self.coordinator
+        if coordinator._skippers:
+            coordinator.remove_skipped_blocks(request_id, total, request.num_prompt_tokens)
+        need = 0
+        counts: list[int] = []
+        for _m, bs, _cached, tables in groups:
+            n = -(-need_slot // bs) - len(tables[request_id])
+            if n < 0:
+                n = 0
+            counts.append(n)
+            need += n
+        pool = self.block_pool
+        if (need or wm or reserved_blocks) and (
+            need + wm > pool.get_num_free_blocks() - reserved_blocks
+        ):
+            return None
+        result: KVCacheBlocks = self.empty_kv_cache_blocks
+        if need:
+            fresh = pool.get_new_blocks(need)
+            per_group: list[list[int]] = []
+            pos = 0
+            for (m, _bs, _cached, tables), n in zip(groups, counts, strict=True):
+                chunk = fresh[pos : pos + n] if n != need else fresh
+                pos += n
+                if n:
+                    tables[request_id].extend(chunk)
+                    if m._records_new_ids:
+                        m.new_block_ids.extend(chunk)
+                per_group.append(chunk)
+            result = KVCacheBlocks(tuple(per_group), pool)
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens = request.num_tokens
+            to_cache = main if main < num_tokens else num_tokens
+            retention = coordinator.retention_interval
+            sbs = self._hybrid_sbs
+            aligned = to_cache // sbs * sbs if sbs else to_cache
+            for m, bs, cached, _tables in groups:
+                n = aligned
+                if sbs and m.use_eagle and aligned > 0:
+                    n = min(to_cache, aligned + m.block_size)
+                if cached[request_id] < n // bs:
+                    m.cache_blocks(request, n, retention)
+        return result
 
     def _check_new_computed_blocks(self, request_id: str, ncb: tuple[Sequence[int], ...]) -> None:
         """Rejects hits of the wrong shape, or for a running request, before any mutation."""

@@ -557,6 +557,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 _pop_all(computed)
         return computed
 
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Full attention skips nothing (STM-7 with STM-9's zero)."""
+        return None
+
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks whose ref count equals the number of tracked requests (FA-2)."""
         blocks = self.req_to_blocks[running_request_id]
