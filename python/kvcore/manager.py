@@ -206,18 +206,29 @@ class KVCacheManager:
             and type(m).cache_blocks is base.cache_blocks
             for m in managers
         )
-        self._decode_groups: tuple[
-            tuple[SingleTypeKVCacheManager, int, dict[str, int], dict[str, list[int]]], ...
-        ] = (
-            tuple((m, m.block_size, m.num_cached_block, m.req_to_blocks) for m in managers)
-            if simple and managers
-            else ()
-        )
         coordinator = self.coordinator
         self._hybrid_sbs = (
             coordinator.scheduler_block_size
             if isinstance(coordinator, HybridKVCacheCoordinator)
             else 0
+        )
+        self._retention = coordinator.retention_interval
+        self._skippers = coordinator._skippers
+        self._decode_groups: tuple[
+            tuple[SingleTypeKVCacheManager, int, dict[str, int], dict[str, list[int]], int], ...
+        ] = (
+            tuple(
+                (
+                    m,
+                    m.block_size,
+                    m.num_cached_block,
+                    m.req_to_blocks,
+                    m.block_size if self._hybrid_sbs and m.use_eagle else 0,
+                )
+                for m in managers
+            )
+            if simple and managers
+            else ()
         )
         self._native: Any = None
         if single_full is not None and self.use_native_fast_path:
@@ -446,20 +457,16 @@ class KVCacheManager:
             request as running (the caller then takes the general path).
         """
         groups = self._decode_groups
-        for _m, _bs, cached, _tables in groups:
+        for _m, _bs, cached, _tables, _eagle in groups:
             if request_id not in cached:
                 return _NOT_RUNNING
-        coordinator = self.coordinator
-        if coordinator._skippers:
-            coordinator.remove_skipped_blocks(request_id, total, request.num_prompt_tokens)
+        for skipper in self._skippers:
+            skipper.remove_skipped_blocks(request_id, total, request.num_prompt_tokens)
         need = 0
-        counts: list[int] = []
-        for _m, bs, _cached, tables in groups:
+        for _m, bs, _cached, tables, _eagle in groups:
             n = -(-need_slot // bs) - len(tables[request_id])
-            if n < 0:
-                n = 0
-            counts.append(n)
-            need += n
+            if n > 0:
+                need += n
         pool = self.block_pool
         if (need or wm or reserved_blocks) and (
             need + wm > pool.get_num_free_blocks() - reserved_blocks
@@ -470,27 +477,35 @@ class KVCacheManager:
             fresh = pool.get_new_blocks(need)
             per_group: list[list[int]] = []
             pos = 0
-            for (m, _bs, _cached, tables), n in zip(groups, counts, strict=True):
-                chunk = fresh[pos : pos + n] if n != need else fresh
-                pos += n
-                if n:
-                    tables[request_id].extend(chunk)
+            for m, bs, _cached, tables, _eagle in groups:
+                blocks = tables[request_id]
+                n = -(-need_slot // bs) - len(blocks)
+                if n > 0:
+                    chunk = fresh if n == need else fresh[pos : pos + n]
+                    pos += n
+                    blocks.extend(chunk)
                     if m._records_new_ids:
                         m.new_block_ids.extend(chunk)
-                per_group.append(chunk)
+                    per_group.append(chunk)
+                else:
+                    per_group.append([])
             result = KVCacheBlocks(tuple(per_group), pool)
         if self.enable_caching and not delay_cache_blocks:
             num_tokens = request.num_tokens
             to_cache = main if main < num_tokens else num_tokens
-            retention = coordinator.retention_interval
             sbs = self._hybrid_sbs
-            aligned = to_cache // sbs * sbs if sbs else to_cache
-            for m, bs, cached, _tables in groups:
-                n = aligned
-                if sbs and m.use_eagle and aligned > 0:
-                    n = min(to_cache, aligned + m.block_size)
-                if cached[request_id] < n // bs:
-                    m.cache_blocks(request, n, retention)
+            if sbs:
+                aligned = to_cache // sbs * sbs
+                for m, bs, cached, _tables, eagle_bs in groups:
+                    n = aligned
+                    if eagle_bs and aligned > 0:
+                        n = min(to_cache, aligned + eagle_bs)
+                    if cached[request_id] < n // bs:
+                        m.cache_blocks(request, n, self._retention)
+            else:
+                for m, bs, cached, _tables, _eagle in groups:
+                    if cached[request_id] < to_cache // bs:
+                        m.cache_blocks(request, to_cache, self._retention)
         return result
 
     def _check_new_computed_blocks(self, request_id: str, ncb: tuple[Sequence[int], ...]) -> None:

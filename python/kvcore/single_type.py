@@ -745,6 +745,21 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 mask[i - start_block] = True
         return mask
 
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """STM-7 with SWA-2, returning early when the last skipped block is already null."""
+        num_skipped = total_computed_tokens - self.sliding_window + 1
+        if num_skipped <= 0:
+            return
+        blocks = self.req_to_blocks[request_id]
+        n = num_skipped // self.block_size
+        if n > len(blocks):
+            n = len(blocks)
+        # STM-8 walks back from n-1 and stops at the first null: nothing to do then.
+        if n > 0 and blocks[n - 1] != self._null_block:
+            self._remove_blocks_in_range(request_id, 0, n)
+
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the window (SWA-2)."""
         return max(0, num_computed_tokens - self.sliding_window + 1)
