@@ -12,7 +12,7 @@ Examples:
     >>> spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype="float16")
     >>> cfg = KVCacheConfig(10, [], [KVCacheGroupSpec(["l0"], spec)])
     >>> mgr = KVCacheManager(cfg, max_model_len=1024, scheduler_block_size=16,
-    ...                      hash_block_size=16)
+    ...                      hash_block_size=16, enable_caching=False)
     >>> mgr.allocate_slots(Request("r1", list(range(40))), 40).get_block_ids()
     ([1, 2, 3],)
 """
