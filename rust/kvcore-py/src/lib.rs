@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 mod errors;
 mod events;
 mod manager;
+mod msgpack;
 mod pool;
 
 /// The extension module.
@@ -21,6 +22,11 @@ mod _native {
 
     #[pymodule_export]
     use super::manager::PyUnitaryFullAttention;
+
+    #[pymodule_export]
+    use super::msgpack::encode_event_batch;
+    #[pymodule_export]
+    use super::msgpack::msgpack_encode;
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
