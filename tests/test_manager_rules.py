@@ -913,3 +913,40 @@ def test_stm_4_stm_7_stm_8_swa_null_padding_and_range_removal() -> None:
     assert m.get_block_ids("b")[1][:6] == [0] * 6
     stm._remove_blocks_in_range("zzz", 0, 6)
     stm._remove_blocks_in_range("b", 6, 6)
+
+
+def test_kvb_3_on_manager_results() -> None:
+    """KVB-3 on real results: the partial tail block is unhashed; nulls are dropped per group."""
+    m = make_manager(10)
+    out = m.allocate_slots(req("a", r1to(40)), 40)
+    assert out is not None and out.get_unhashed_block_ids() == [3]
+    h = make_manager(30, [full(), swa()], max_num_batched_tokens=64)
+    h.allocate_slots(req("a", r1to(100)), 100)
+    hit, _ = h.get_computed_blocks(req("b", r1to(100)))
+    assert hit.get_unhashed_block_ids_all_groups() == [[], []]
+    assert h.get_blocks("a").get_unhashed_block_ids_all_groups() == [[7], [14]]
+
+
+def test_mgr_1_max_num_batched_tokens_defaults_to_max_model_len() -> None:
+    """MGR-1 / SWA-1: without max_num_batched_tokens the cap uses max_model_len."""
+    m = make_manager(8, [full(), swa()], max_model_len=256)
+    assert m.coordinator.single_type_managers[1]._max_admission_blocks_per_request == 17
+
+
+def test_spec_1_groups_without_manager_fail_construction() -> None:
+    """SPEC-1 through COORD-2: an encoder-only group has no manager (AssertionError)."""
+    from kvcore.specs import EncoderOnlyAttentionSpec, UniformTypeKVCacheSpecs
+
+    with pytest.raises(AssertionError):
+        make_manager(8, [EncoderOnlyAttentionSpec(block_size=16, **ATTN)])
+    with pytest.raises(AssertionError):
+        make_manager(8, [full(), UniformTypeKVCacheSpecs(16, {"a": full()})])
+
+
+def test_pool_22_no_events_when_disabled() -> None:
+    """POOL-22 via MGR-24: with events off take_events is always empty."""
+    m = make_manager(8, enable_kv_cache_events=False)
+    m.allocate_slots(req("a", r1to(40)), 40)
+    m.free(req("a", []))
+    assert m.reset_prefix_cache() is True
+    assert m.take_events() == []
