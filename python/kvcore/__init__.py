@@ -15,15 +15,60 @@ from kvcore._native import (
     NoFreeBlocksError,
     __version__,
 )
+from kvcore.blocks import KVCacheBlocks
+from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.errors import InvalidConfigError, InvariantViolationError
+from kvcore.manager import KVCacheManager, PrefixCacheStats
+from kvcore.request import Request, RequestStatus
+from kvcore.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    HiddenStateCacheSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    TQFullAttentionSpec,
+    UniformTypeKVCacheSpecs,
+)
 
 __all__ = [
     "BlockIdError",
     "BlockPool",
     "BlockStateError",
+    "ChunkedLocalAttentionSpec",
+    "CrossAttentionSpec",
     "DoubleFreeError",
+    "EncoderOnlyAttentionSpec",
+    "FullAttentionSpec",
+    "HiddenStateCacheSpec",
     "InvalidArgumentError",
+    "InvalidConfigError",
+    "InvariantViolationError",
     "KVCacheBlockView",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "KVCacheTensor",
     "KvcoreError",
+    "MLAAttentionSpec",
+    "MambaSpec",
     "NoFreeBlocksError",
+    "PrefixCacheStats",
+    "RSWASpec",
+    "Request",
+    "RequestStatus",
+    "SinkFullAttentionSpec",
+    "SlidingWindowMLASpec",
+    "SlidingWindowSpec",
+    "TQFullAttentionSpec",
+    "UniformTypeKVCacheSpecs",
     "__version__",
 ]
