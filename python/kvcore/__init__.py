@@ -5,5 +5,54 @@ manager, coordinators, specs and requests are Python modules of this package.
 """
 
 from kvcore._native import KvcoreError, __version__
+from kvcore.blocks import KVCacheBlocks
+from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
+from kvcore.manager import KVCacheManager, PrefixCacheStats
+from kvcore.request import Request, RequestStatus
+from kvcore.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    HiddenStateCacheSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    TQFullAttentionSpec,
+    UniformTypeKVCacheSpecs,
+)
 
-__all__ = ["KvcoreError", "__version__"]
+__all__ = [
+    "ChunkedLocalAttentionSpec",
+    "CrossAttentionSpec",
+    "EncoderOnlyAttentionSpec",
+    "FullAttentionSpec",
+    "HiddenStateCacheSpec",
+    "InvalidArgumentError",
+    "InvalidConfigError",
+    "InvariantViolationError",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "KVCacheTensor",
+    "KvcoreError",
+    "MLAAttentionSpec",
+    "MambaSpec",
+    "PrefixCacheStats",
+    "RSWASpec",
+    "Request",
+    "RequestStatus",
+    "SinkFullAttentionSpec",
+    "SlidingWindowMLASpec",
+    "SlidingWindowSpec",
+    "TQFullAttentionSpec",
+    "UniformTypeKVCacheSpecs",
+    "__version__",
+]
