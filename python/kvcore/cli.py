@@ -33,6 +33,7 @@ from kvcore.simulate.scheduler import (
     SchedulerSettings,
     SimulationStalled,
     Simulator,
+    check_config,
 )
 from kvcore.simulate.trace import TraceError, load_trace
 from kvcore.simulate.workload import ChatWorkloadParams, RequestSpec, synthetic_chat
@@ -268,8 +269,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sched = SchedulerSettings(
             max_num_seqs=args.max_num_seqs, admission_gate=args.admission_gate
         )
-        from kvcore.simulate.scheduler import check_config
-
         check_config(model, settings, sched, workload)
     except (TraceError, ConfigError, ValueError, ImportError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
@@ -281,7 +280,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         runs.append(_run_one(args.backend, args, model, settings, sched, workload))
         if args.compare is not None and not runs[0][1]:
-            runs.append(_run_one(args.compare, args, model, settings, sched, workload))
+            try:
+                runs.append(_run_one(args.compare, args, model, settings, sched, workload))
+            except KeyboardInterrupt:  # while the reference was being imported or built
+                runs[0] = (runs[0][0], True)
     except BackendUnavailable as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         if not runs:

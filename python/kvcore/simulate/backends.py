@@ -11,6 +11,7 @@ the reference (and torch) when it is built.
 
 from __future__ import annotations
 
+import importlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -181,9 +182,10 @@ class KvcoreBackend(Backend):
     name = "kvcore"
 
     def __init__(self) -> None:
-        from kvcore import hashing, request
+        from kvcore import request
 
-        self._hashing = hashing
+        # kvcore.hashing is imported by name while it is being written (typed as Any).
+        self._hashing: Any = importlib.import_module("kvcore.hashing")
         self._request = request
         self._hasher: Callable[[Any], list[bytes]] | None = None
         status = request.RequestStatus
@@ -204,13 +206,24 @@ class KvcoreBackend(Backend):
         for i, g in enumerate(model.groups):
             spec: Any
             if g.kind == "full":
-                spec = specs.FullAttentionSpec(block_size=g.block_size)
+                spec = specs.FullAttentionSpec(
+                    block_size=g.block_size, num_kv_heads=1, head_size=64, dtype="float16"
+                )
             elif g.kind == "swa":
                 spec = specs.SlidingWindowSpec(
-                    block_size=g.block_size, sliding_window=g.sliding_window
+                    block_size=g.block_size,
+                    num_kv_heads=1,
+                    head_size=64,
+                    dtype="float16",
+                    sliding_window=g.sliding_window or 0,
                 )
             else:
-                spec = specs.MambaSpec(block_size=g.block_size, mamba_cache_mode="all")
+                spec = specs.MambaSpec(
+                    block_size=g.block_size,
+                    shapes=((64,),),
+                    dtypes=("float16",),
+                    mamba_cache_mode="all",
+                )
             groups.append(config.KVCacheGroupSpec([f"layer{i}"], spec))
         cfg = config.KVCacheConfig(settings.num_blocks, [], groups)
         return manager.KVCacheManager(
@@ -242,12 +255,15 @@ class ReferenceBackend(Backend):
     name = "reference"
 
     def __init__(self) -> None:
+        # Imported by name so that type checking never needs the reference (or torch) installed.
         try:
-            import torch
-            from vllm import sampling_params
-            from vllm.utils import hashing
-            from vllm.v1 import kv_cache_interface, request
-            from vllm.v1.core import kv_cache_manager, kv_cache_utils
+            torch = importlib.import_module("torch")
+            sampling_params = importlib.import_module("vllm.sampling_params")
+            hashing = importlib.import_module("vllm.utils.hashing")
+            kv_cache_interface = importlib.import_module("vllm.v1.kv_cache_interface")
+            request = importlib.import_module("vllm.v1.request")
+            kv_cache_manager = importlib.import_module("vllm.v1.core.kv_cache_manager")
+            kv_cache_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
         except ImportError as exc:
             raise BackendUnavailable(
                 f"the reference implementation is not importable ({exc}); "

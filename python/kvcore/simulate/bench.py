@@ -14,6 +14,7 @@ Each figure is the best of several rounds, in microseconds per operation.
 
 from __future__ import annotations
 
+import importlib
 import random
 import time
 from collections.abc import Callable
@@ -50,13 +51,10 @@ def _pool_ops(name: str, backend: Backend, number: int, rounds: int) -> dict[str
     manager = backend.build_manager(model_preset("full", _BS), settings)
     pool: Any
     if name == "kvcore":
-        from kvcore import BlockPool  # type: ignore[attr-defined]
-
-        pool = BlockPool(1024, True, _BS)
+        pool = importlib.import_module("kvcore._native").BlockPool(1024, True, _BS)
     else:
-        from vllm.v1.core.block_pool import BlockPool as RefBlockPool
-
-        pool = RefBlockPool(1024, True, _BS)
+        ref_pool = importlib.import_module("vllm.v1.core.block_pool")
+        pool = ref_pool.BlockPool(1024, True, _BS)
     del manager  # built only to initialise hashing (NONE_HASH, hasher) for the request below
     rng = random.Random(0)
     req = backend.request_factory("bench", [rng.randrange(32000) for _ in range(64 * _BS)], 1)()

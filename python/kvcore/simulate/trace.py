@@ -160,7 +160,7 @@ def parse_trace(lines: Iterable[str], seed: int = 0, source: str = "<trace>") ->
             if group is not None:
                 if not isinstance(group, str) or not group:
                     raise err("prefix_group", f"expected a non-empty string, got {_short(group)}")
-                prefix_len = obj.get("prefix_len", plen)
+                prefix_len: Any = obj.get("prefix_len", plen)
                 if not _is_int(prefix_len) or not 0 <= prefix_len <= plen:
                     raise err(
                         "prefix_len",
