@@ -413,15 +413,18 @@ class Simulator:
         # 4. Advance, sample, finish.
         for live, n in scheduled:
             live.req.num_computed_tokens += n
+        sampled: list[tuple[Any, int]] = []
+        for live, _ in scheduled:
+            req = live.req
+            if req.num_computed_tokens >= req.num_tokens:  # not a prefill chunk: it samples
+                sampled.append((req, live.spec.output[req.num_output_tokens]))
+        t0 = perf()
+        for req, token in sampled:
+            req.append_output_token_ids(token)  # hashes a block when it fills
+        ns += perf() - t0
         finished: list[_Live] = []
         for live, _ in scheduled:
             req = live.req
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk: nothing sampled
-            token = live.spec.output[req.num_output_tokens]
-            t0 = perf()
-            req.append_output_token_ids(token)
-            ns += perf() - t0
             if req.num_output_tokens >= len(live.spec.output) or req.num_tokens >= max_len:
                 finished.append(live)
         for live in finished:
