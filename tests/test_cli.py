@@ -145,7 +145,7 @@ def test_default_run_imports_neither_torch_nor_reference() -> None:
     code = (
         "import sys\n"
         "from kvcore.cli import main\n"
-        f"rc = main({[*SMALL, '--json']!r})\n"
+        f"rc = main({['simulate', *SMALL, '--json']!r})\n"
         "assert rc == 0, rc\n"
         "bad = sorted(m for m in ('torch', 'vllm') if m in sys.modules)\n"
         "assert not bad, bad\n"

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -255,15 +256,17 @@ class ReferenceBackend(Backend):
     name = "reference"
 
     def __init__(self) -> None:
-        # Imported by name so that type checking never needs the reference (or torch) installed.
+        # Imported by name so that type checking never needs the reference (or torch)
+        # installed. The reference logs to stdout while importing: keep stdout clean (--json).
         try:
-            torch = importlib.import_module("torch")
-            sampling_params = importlib.import_module("vllm.sampling_params")
-            hashing = importlib.import_module("vllm.utils.hashing")
-            kv_cache_interface = importlib.import_module("vllm.v1.kv_cache_interface")
-            request = importlib.import_module("vllm.v1.request")
-            kv_cache_manager = importlib.import_module("vllm.v1.core.kv_cache_manager")
-            kv_cache_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+            with redirect_stdout(sys.stderr):
+                torch = importlib.import_module("torch")
+                sampling_params = importlib.import_module("vllm.sampling_params")
+                hashing = importlib.import_module("vllm.utils.hashing")
+                kv_cache_interface = importlib.import_module("vllm.v1.kv_cache_interface")
+                request = importlib.import_module("vllm.v1.request")
+                kv_cache_manager = importlib.import_module("vllm.v1.core.kv_cache_manager")
+                kv_cache_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
         except ImportError as exc:
             raise BackendUnavailable(
                 f"the reference implementation is not importable ({exc}); "
