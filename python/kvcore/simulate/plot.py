@@ -46,7 +46,13 @@ def plot(sim: Simulator, path: str | Path, title: str = "") -> None:
     ax0.plot(steps, [100 * u for u in st.sample_usage], color="tab:blue", lw=1)
     ax0.set_ylabel("KV usage (%)")
     ax0.set_ylim(0, 105)
-    ax1.plot(steps, [100 * h for h in st.sample_hit_rate], color="tab:green", lw=1, label="kvcore")
+    ax1.plot(
+        steps,
+        [100 * h for h in st.sample_hit_rate],
+        color="tab:green",
+        lw=1,
+        label=sim.backend.name,
+    )
     ax1.axhline(
         100 * sim.hit_rate_bound(), color="tab:gray", ls="--", lw=1, label="unlimited cache"
     )
