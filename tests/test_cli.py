@@ -11,9 +11,11 @@ import json
 import os
 import pty
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from typing import Any
@@ -355,8 +357,16 @@ def test_ctrl_c_prints_partial_summary() -> None:
 
 
 def test_console_script() -> None:
-    script = Path(sys.executable).parent / "kvcore"
-    assert script.exists(), "the kvcore console script is not installed"
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "kvcore",
+        Path(sys.executable).parent / "kvcore",
+    ]
+    on_path = shutil.which("kvcore")
+    if on_path is not None:
+        candidates.append(Path(on_path))
+    found = [c for c in candidates if c.exists()]
+    assert found, f"the kvcore console script is not installed (looked in {candidates})"
+    script = found[0]
     proc = subprocess.run(
         [str(script), "simulate", "--help"], capture_output=True, text=True, timeout=60, check=False
     )
