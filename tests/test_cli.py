@@ -27,6 +27,7 @@ from kvcore.simulate.report import percentile
 from kvcore.simulate.scheduler import (
     ConfigError,
     SchedulerSettings,
+    SimulationStalled,
     Simulator,
     check_config,
 )
@@ -610,3 +611,39 @@ def test_interrupt_in_process(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> N
     assert obj["interrupted"] is True
     assert obj["steps"] == 39
     assert obj["requests"] < obj["requests_total"]
+
+
+@pytest.mark.parametrize(
+    ("gate", "fragment"),
+    [(True, "cannot be admitted even into an empty cache"), (False, "only running request")],
+)
+def test_stall_is_reported(monkeypatch: pytest.MonkeyPatch, gate: bool, fragment: str) -> None:
+    # Bypass the up-front check to reach the run-time guards: a 128-token request needs 8
+    # blocks of 16 but only 5 are usable.
+    import kvcore.simulate.scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "check_config", lambda *a: None)
+    w = [RequestSpec("x", 0, tuple(range(100)), (1,) * 28)]
+    settings = ManagerSettings(6, 4096, 64)
+    sim = Simulator(
+        make_backend("kvcore"), model_preset("full", 16), settings, SchedulerSettings(16, gate), w
+    )
+    with pytest.raises(SimulationStalled, match=fragment):
+        sim.run()
+
+
+def test_compare_without_reference_installed() -> None:
+    # The reference (and torch) made unimportable: a clear error before anything runs.
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "sys.modules['vllm'] = None\n"
+        "from kvcore.cli import main\n"
+        f"sys.exit(main({['simulate', *SMALL, '--compare', 'reference']!r}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "reference implementation is not importable" in proc.stderr
