@@ -87,18 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--requests",
         type=_non_negative,
         default=300,
+        metavar="N",
         help="synthetic workload: number of requests (default: %(default)s)",
     )
     wl.add_argument(
         "--arrival-rate",
         type=float,
         default=0.5,
+        metavar="RATE",
         help="synthetic workload: new conversations per step (default: %(default)s)",
     )
     wl.add_argument(
         "--seed",
         type=int,
         default=0,
+        metavar="SEED",
         help="seed of the workload's tokens and of NONE_HASH (default: %(default)s)",
     )
     kv = sim.add_argument_group("KV cache")
@@ -106,10 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-blocks",
         type=_positive,
         default=2000,
+        metavar="N",
         help="blocks in the pool, null block included (default: %(default)s)",
     )
     kv.add_argument(
-        "--block-size", type=_positive, default=16, help="tokens per block (default: %(default)s)"
+        "--block-size",
+        type=_positive,
+        default=16,
+        metavar="TOKENS",
+        help="tokens per block (default: %(default)s)",
     )
     kv.add_argument(
         "--hash",
@@ -128,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sliding-window",
         type=_positive,
         default=1024,
+        metavar="TOKENS",
         help="window of the hybrid-swa preset, in tokens (default: %(default)s)",
     )
     kv.add_argument(
@@ -147,24 +156,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len",
         type=_positive,
         default=8192,
+        metavar="TOKENS",
         help="longest sequence (default: %(default)s)",
     )
     sc.add_argument(
         "--max-num-batched-tokens",
         type=_positive,
         default=2048,
+        metavar="TOKENS",
         help="token budget per step (default: %(default)s)",
     )
     sc.add_argument(
         "--max-num-seqs",
         type=_positive,
         default=128,
+        metavar="N",
         help="most running requests (default: %(default)s)",
     )
     sc.add_argument(
         "--watermark",
         type=float,
         default=0.0,
+        metavar="FRACTION",
         help="fraction of blocks kept free when admitting (default: %(default)s)",
     )
     sc.add_argument(
