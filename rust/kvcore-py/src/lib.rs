@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 
 mod errors;
 mod events;
+mod hashing;
 
 /// The extension module.
 #[pymodule]
@@ -16,6 +17,9 @@ mod _native {
 
     #[pymodule_export]
     use super::errors::KvcoreError;
+
+    #[pymodule_export]
+    use super::hashing::{digest, hash_block_tokens, hash_object, hash_request_blocks};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
