@@ -222,9 +222,11 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError):
         _native.hash_object("nope", 1)
     with pytest.raises(TypeError):
-        _native.hash_request_blocks("sha256", b"", None, (1, 2), 0, 1, 2)  # type: ignore[arg-type]
+        _native.hash_request_blocks("sha256", b"", None, [1, 2], 2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="block size"):
-        _native.hash_request_blocks("sha256", b"", None, [1, 2], 0, 1, 0)
+        _native.hash_request_blocks("sha256", b"", None, (1, 2), 0)
+    with pytest.raises(ValueError, match="extra keys given"):
+        _native.hash_request_blocks("sha256", b"", None, (1, 2), 1, [None])
 
 
 # --- §5.2 NONE_HASH ---------------------------------------------------------------------------

@@ -22,10 +22,8 @@ def hash_request_blocks(
     hash_fn_name: str,
     none_hash: bytes,
     parent: bytes | None,
-    token_ids: list[int],
-    start: int,
-    num_blocks: int,
+    token_ids: tuple[int, ...],
     block_size: int,
     extras: list[tuple[object, ...] | None] | None = None,
 ) -> list[bytes] | None:
-    """Chained hashes of ``num_blocks`` windows from ``start`` (SPEC RH-1), GIL released."""
+    """Chained hashes of the full windows of ``token_ids`` (SPEC RH-1), GIL released."""

@@ -6,24 +6,39 @@ use crate::value::Value;
 
 const NULL: u8 = 0xf6;
 
+/// Encodes a head: major type `major` (0..=7) with argument `n` in its shortest form; returns
+/// the bytes in a fixed buffer and their count.
+#[inline]
+fn encode_head(major: u8, n: u64) -> ([u8; 9], usize) {
+    let m = major << 5;
+    let mut b = [0u8; 9];
+    if n < 24 {
+        b[0] = m | n as u8;
+        (b, 1)
+    } else if n <= 0xff {
+        b[0] = m | 24;
+        b[1] = n as u8;
+        (b, 2)
+    } else if n <= 0xffff {
+        b[0] = m | 25;
+        b[1..3].copy_from_slice(&(n as u16).to_be_bytes());
+        (b, 3)
+    } else if n <= 0xffff_ffff {
+        b[0] = m | 26;
+        b[1..5].copy_from_slice(&(n as u32).to_be_bytes());
+        (b, 5)
+    } else {
+        b[0] = m | 27;
+        b[1..9].copy_from_slice(&n.to_be_bytes());
+        (b, 9)
+    }
+}
+
 /// Writes a head: major type `major` (0..=7) with argument `n` in its shortest form.
 #[inline]
 pub(crate) fn write_head(out: &mut Vec<u8>, major: u8, n: u64) {
-    let m = major << 5;
-    if n < 24 {
-        out.push(m | n as u8);
-    } else if n <= 0xff {
-        out.extend_from_slice(&[m | 24, n as u8]);
-    } else if n <= 0xffff {
-        out.push(m | 25);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
-    } else if n <= 0xffff_ffff {
-        out.push(m | 26);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
-    } else {
-        out.push(m | 27);
-        out.extend_from_slice(&n.to_be_bytes());
-    }
+    let (b, len) = encode_head(major, n);
+    out.extend_from_slice(&b[..len]);
 }
 
 /// Writes an int: major type 0 for `v >= 0`, else major type 1 with `-1 - v`.
@@ -46,6 +61,7 @@ pub(crate) fn write_bytes(out: &mut Vec<u8>, data: &[u8]) {
 /// Writes an array of ints (the block's token ids).
 #[inline]
 pub(crate) fn write_int_array(out: &mut Vec<u8>, tokens: &[i64]) {
+    out.reserve(tokens.len() * 9 + 9);
     write_head(out, 4, tokens.len() as u64);
     for &t in tokens {
         write_int(out, t);

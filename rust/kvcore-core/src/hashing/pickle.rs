@@ -62,17 +62,23 @@ pub(crate) fn end(out: &mut Vec<u8>) -> Result<(), HashError> {
     Ok(())
 }
 
-/// Writes an int the way `save_long` does for protocol 2 and above.
+/// Encodes an int the way `save_long` does for protocol 2 and above; returns the bytes in a
+/// fixed buffer and their count.
 #[inline]
-pub(crate) fn write_int(out: &mut Vec<u8>, v: i64) {
+fn encode_int(v: i64) -> ([u8; 10], usize) {
+    let mut b = [0u8; 10];
     if (0..=0xff).contains(&v) {
-        out.extend_from_slice(&[BININT1, v as u8]);
+        b[0] = BININT1;
+        b[1] = v as u8;
+        (b, 2)
     } else if (0..=0xffff).contains(&v) {
-        out.push(BININT2);
-        out.extend_from_slice(&(v as u16).to_le_bytes());
-    } else if i32::try_from(v).is_ok() {
-        out.push(BININT);
-        out.extend_from_slice(&(v as i32).to_le_bytes());
+        b[0] = BININT2;
+        b[1..3].copy_from_slice(&(v as u16).to_le_bytes());
+        (b, 3)
+    } else if let Ok(v32) = i32::try_from(v) {
+        b[0] = BININT;
+        b[1..5].copy_from_slice(&v32.to_le_bytes());
+        (b, 5)
     } else {
         // Minimal two's-complement, little-endian: drop redundant sign bytes.
         let bytes = v.to_le_bytes();
@@ -86,9 +92,18 @@ pub(crate) fn write_int(out: &mut Vec<u8>, v: i64) {
                 break;
             }
         }
-        out.extend_from_slice(&[LONG1, n as u8]);
-        out.extend_from_slice(&bytes[..n]);
+        b[0] = LONG1;
+        b[1] = n as u8;
+        b[2..2 + n].copy_from_slice(&bytes[..n]);
+        (b, n + 2)
     }
+}
+
+/// Writes an int the way `save_long` does for protocol 2 and above.
+#[inline]
+pub(crate) fn write_int(out: &mut Vec<u8>, v: i64) {
+    let (b, n) = encode_int(v);
+    out.extend_from_slice(&b[..n]);
 }
 
 #[inline]
@@ -119,6 +134,7 @@ pub(crate) fn write_int_tuple(out: &mut Vec<u8>, tokens: &[i64]) {
         out.push(EMPTY_TUPLE);
         return;
     }
+    out.reserve(tokens.len() * 10 + 3);
     let long = tokens.len() > 3;
     if long {
         out.push(MARK);
