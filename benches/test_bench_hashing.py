@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from kvcore import hashing as H
 
 NAMES = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -57,8 +58,9 @@ HashFunction = Callable[[Any], bytes]
 
 _PICKLE_PROTOCOL = 5
 
+_cbor2: Any
 try:
-    import cbor2 as _cbor2
+    _cbor2 = importlib.import_module("cbor2")
 except ImportError:  # pragma: no cover - cbor2 is a test dependency
     _cbor2 = None
 
@@ -296,10 +298,8 @@ def _prompt_embeds_key(request: Any, start: int, end: int) -> bytes:
     )
     if cache is None:
         cache = {}
-        try:
+        with contextlib.suppress(AttributeError):  # a request without the cache attribute
             request._prompt_embeds_per_block_hashes = cache
-        except AttributeError:
-            pass
     key = cache.get((start, end))
     if key is None:
         key = hashlib.sha256(_tensor_bytes(request.prompt_embeds[start:end])).digest()
