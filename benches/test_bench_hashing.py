@@ -1,6 +1,6 @@
 """Request block hashing, kvcore against the reference, in one run (SPEC §5.4).
 
-Workloads: a 4096-token prompt hashed in 16-token windows (256 blocks) from scratch, without
+Workloads: a 4096-token prompt (ids below a 128256-token vocabulary) hashed in 16-token windows (256 blocks) from scratch, without
 extra keys and with a LoRA name and cache salt. For each hash function the kvcore and the
 reference cases run in the same session; the ratios ``mean_reference / mean_kvcore`` are printed
 at the end and written to ``benches/results/hashing.json``.
@@ -25,7 +25,8 @@ NAMES = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 PROMPT_LEN = 4096
 HBS = 16
 RESULTS = Path(__file__).parent / "results" / "hashing.json"
-_TOKENS = [random.Random(0).randrange(2**31 - 1) for _ in range(PROMPT_LEN)]
+VOCAB_SIZE = 128_256  # token ids are below the vocabulary size (Llama 3)
+_TOKENS = [random.Random(0).randrange(VOCAB_SIZE) for _ in range(PROMPT_LEN)]
 
 
 @dataclass

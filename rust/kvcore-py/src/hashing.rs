@@ -211,7 +211,7 @@ pub fn hash_block_tokens<'py>(
 pub fn hash_request_blocks<'py>(
     py: Python<'py>,
     hash_fn_name: &str,
-    none_hash: Vec<u8>,
+    none_hash: &[u8],
     parent: &Bound<'py, PyAny>,
     token_ids: &Bound<'py, PyTuple>,
     block_size: usize,
@@ -256,6 +256,7 @@ pub fn hash_request_blocks<'py>(
         }
     }
     let has_extras = extras.is_some();
+    let none_hash = none_hash.to_vec();
     let result = py.allow_threads(move || {
         let per_block: Vec<Option<&[Value]>> =
             which.iter().map(|&k| converted[k].as_deref()).collect();

@@ -6,39 +6,26 @@ use crate::value::Value;
 
 const NULL: u8 = 0xf6;
 
-/// Encodes a head: major type `major` (0..=7) with argument `n` in its shortest form; returns
-/// the bytes in a fixed buffer and their count.
-#[inline]
-fn encode_head(major: u8, n: u64) -> ([u8; 9], usize) {
-    let m = major << 5;
-    let mut b = [0u8; 9];
-    if n < 24 {
-        b[0] = m | n as u8;
-        (b, 1)
-    } else if n <= 0xff {
-        b[0] = m | 24;
-        b[1] = n as u8;
-        (b, 2)
-    } else if n <= 0xffff {
-        b[0] = m | 25;
-        b[1..3].copy_from_slice(&(n as u16).to_be_bytes());
-        (b, 3)
-    } else if n <= 0xffff_ffff {
-        b[0] = m | 26;
-        b[1..5].copy_from_slice(&(n as u32).to_be_bytes());
-        (b, 5)
-    } else {
-        b[0] = m | 27;
-        b[1..9].copy_from_slice(&n.to_be_bytes());
-        (b, 9)
-    }
-}
-
 /// Writes a head: major type `major` (0..=7) with argument `n` in its shortest form.
+///
+/// Each branch appends a fixed-size array (plain stores, no `memmove` call per token).
 #[inline]
 pub(crate) fn write_head(out: &mut Vec<u8>, major: u8, n: u64) {
-    let (b, len) = encode_head(major, n);
-    out.extend_from_slice(&b[..len]);
+    let m = major << 5;
+    if n < 24 {
+        out.push(m | n as u8);
+    } else if n <= 0xff {
+        out.extend_from_slice(&[m | 24, n as u8]);
+    } else if n <= 0xffff {
+        let b = (n as u16).to_be_bytes();
+        out.extend_from_slice(&[m | 25, b[0], b[1]]);
+    } else if n <= 0xffff_ffff {
+        let b = (n as u32).to_be_bytes();
+        out.extend_from_slice(&[m | 26, b[0], b[1], b[2], b[3]]);
+    } else {
+        let b = n.to_be_bytes();
+        out.extend_from_slice(&[m | 27, b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+    }
 }
 
 /// Writes an int: major type 0 for `v >= 0`, else major type 1 with `-1 - v`.

@@ -62,23 +62,20 @@ pub(crate) fn end(out: &mut Vec<u8>) -> Result<(), HashError> {
     Ok(())
 }
 
-/// Encodes an int the way `save_long` does for protocol 2 and above; returns the bytes in a
-/// fixed buffer and their count.
+/// Writes an int the way `save_long` does for protocol 2 and above.
+///
+/// Each branch appends a fixed-size array, which compiles to plain stores (a variable-length
+/// copy would call `memmove` per token).
 #[inline]
-fn encode_int(v: i64) -> ([u8; 10], usize) {
-    let mut b = [0u8; 10];
+pub(crate) fn write_int(out: &mut Vec<u8>, v: i64) {
     if (0..=0xff).contains(&v) {
-        b[0] = BININT1;
-        b[1] = v as u8;
-        (b, 2)
+        out.extend_from_slice(&[BININT1, v as u8]);
     } else if (0..=0xffff).contains(&v) {
-        b[0] = BININT2;
-        b[1..3].copy_from_slice(&(v as u16).to_le_bytes());
-        (b, 3)
+        let b = (v as u16).to_le_bytes();
+        out.extend_from_slice(&[BININT2, b[0], b[1]]);
     } else if let Ok(v32) = i32::try_from(v) {
-        b[0] = BININT;
-        b[1..5].copy_from_slice(&v32.to_le_bytes());
-        (b, 5)
+        let b = v32.to_le_bytes();
+        out.extend_from_slice(&[BININT, b[0], b[1], b[2], b[3]]);
     } else {
         // Minimal two's-complement, little-endian: drop redundant sign bytes.
         let bytes = v.to_le_bytes();
@@ -92,18 +89,9 @@ fn encode_int(v: i64) -> ([u8; 10], usize) {
                 break;
             }
         }
-        b[0] = LONG1;
-        b[1] = n as u8;
-        b[2..2 + n].copy_from_slice(&bytes[..n]);
-        (b, n + 2)
+        out.extend_from_slice(&[LONG1, n as u8]);
+        out.extend_from_slice(&bytes[..n]);
     }
-}
-
-/// Writes an int the way `save_long` does for protocol 2 and above.
-#[inline]
-pub(crate) fn write_int(out: &mut Vec<u8>, v: i64) {
-    let (b, n) = encode_int(v);
-    out.extend_from_slice(&b[..n]);
 }
 
 #[inline]
