@@ -22,8 +22,10 @@
 
 pub mod error;
 pub mod events;
+pub mod full_attention;
 pub mod hash;
 pub mod hashing;
+pub mod msgpack;
 pub mod pool;
 pub mod value;
 

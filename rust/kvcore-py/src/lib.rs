@@ -9,6 +9,9 @@ use pyo3::prelude::*;
 mod errors;
 mod events;
 mod hashing;
+mod manager;
+mod msgpack;
+mod pool;
 
 /// The extension module.
 #[pymodule]
@@ -16,7 +19,15 @@ mod _native {
     use pyo3::prelude::*;
 
     #[pymodule_export]
-    use super::errors::KvcoreError;
+    use super::pool::{BlockList, KVCacheBlockView, PyBlockPool};
+
+    #[pymodule_export]
+    use super::manager::PyUnitaryFullAttention;
+
+    #[pymodule_export]
+    use super::msgpack::encode_event_batch;
+    #[pymodule_export]
+    use super::msgpack::msgpack_encode;
 
     #[pymodule_export]
     use super::hashing::{digest, hash_block_tokens, hash_object, hash_request_blocks};
@@ -24,6 +35,6 @@ mod _native {
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        Ok(())
+        super::errors::register(m)
     }
 }
