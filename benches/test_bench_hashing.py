@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvcore import hashing as H
 
 NAMES = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]

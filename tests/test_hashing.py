@@ -21,6 +21,7 @@ import pytest
 import xxhash as xxhash_pkg
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvcore import _native
 from kvcore import hashing as H
 
