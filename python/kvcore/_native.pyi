@@ -17,7 +17,11 @@ __all__ = [
     "NoFreeBlocksError",
     "UnitaryFullAttention",
     "__version__",
+    "digest",
     "encode_event_batch",
+    "hash_block_tokens",
+    "hash_object",
+    "hash_request_blocks",
     "msgpack_encode",
 ]
 __version__: str
@@ -198,3 +202,26 @@ def msgpack_encode(obj: object) -> bytes:
         OverflowError: An int outside ``[-2**63, 2**64 - 1]``.
         RecursionError: Values nested more than 1000 deep.
     """
+
+# --- hashing ---
+
+def hash_object(hash_fn_name: str, obj: object) -> bytes | None:
+    """``fn(obj)`` natively, or None when ``obj`` needs the Python serialiser."""
+
+def digest(hash_fn_name: str, data: bytes) -> bytes:
+    """Digests serialised bytes with the function's digest (SHA-256 or XXH3-128 big-endian)."""
+
+def hash_block_tokens(
+    hash_fn_name: str, none_hash: bytes, parent: object, tokens: object, extra: object
+) -> bytes | None:
+    """One block hash (SPEC HASH-11), or None when an argument needs the Python serialiser."""
+
+def hash_request_blocks(
+    hash_fn_name: str,
+    none_hash: bytes,
+    parent: bytes | None,
+    token_ids: tuple[int, ...],
+    block_size: int,
+    extras: list[tuple[object, ...] | None] | None = None,
+) -> list[bytes] | None:
+    """Chained hashes of the full windows of ``token_ids`` (SPEC RH-1), GIL released."""

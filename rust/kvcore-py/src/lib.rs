@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 
 mod errors;
 mod events;
+mod hashing;
 mod manager;
 mod msgpack;
 mod pool;
@@ -27,6 +28,9 @@ mod _native {
     use super::msgpack::encode_event_batch;
     #[pymodule_export]
     use super::msgpack::msgpack_encode;
+
+    #[pymodule_export]
+    use super::hashing::{digest, hash_block_tokens, hash_object, hash_request_blocks};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
