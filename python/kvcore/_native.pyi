@@ -3,9 +3,14 @@
 from collections.abc import Iterable, Sequence
 from typing import Any, final
 
-from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored
+from typing_extensions import disjoint_base
+
 
 __all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVCacheEvent",
     "BlockIdError",
     "BlockList",
     "BlockPool",
@@ -225,3 +230,68 @@ def hash_request_blocks(
     extras: list[tuple[object, ...] | None] | None = None,
 ) -> list[bytes] | None:
     """Chained hashes of the full windows of ``token_ids`` (SPEC RH-1), GIL released."""
+
+@disjoint_base
+class KVCacheEvent:
+    """Base class of every KV cache event (SPEC EVT-1)."""
+
+    def __new__(cls) -> KVCacheEvent: ...
+
+@final
+class BlockStored(KVCacheEvent):
+    """Blocks entered the prefix cache (SPEC EVT-1, POOL-17, POOL-30)."""
+
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None
+    group_idx: int | None
+    kv_cache_spec_kind: str | None
+    kv_cache_spec_sliding_window: int | None
+    def __new__(
+        cls,
+        block_hashes: list[int | bytes],
+        parent_block_hash: int | bytes | None,
+        token_ids: list[int],
+        block_size: int,
+        lora_id: int | None,
+        medium: str | None,
+        lora_name: str | None,
+        extra_keys: list[tuple[Any, ...] | None] | None = None,
+        group_idx: int | None = None,
+        kv_cache_spec_kind: str | None = None,
+        kv_cache_spec_sliding_window: int | None = None,
+    ) -> BlockStored: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...
+
+@final
+class BlockRemoved(KVCacheEvent):
+    """A key left the prefix cache (SPEC EVT-1, POOL-6)."""
+
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None
+    def __new__(
+        cls,
+        block_hashes: list[int | bytes],
+        medium: str | None,
+        group_idx: int | None = None,
+    ) -> BlockRemoved: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...
+
+@final
+class AllBlocksCleared(KVCacheEvent):
+    """The whole prefix cache was cleared (SPEC EVT-1, POOL-21)."""
+
+    def __new__(cls) -> AllBlocksCleared: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...

@@ -25,6 +25,9 @@ mod _native {
     use super::manager::PyUnitaryFullAttention;
 
     #[pymodule_export]
+    use super::events::{AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent};
+
+    #[pymodule_export]
     use super::msgpack::encode_event_batch;
     #[pymodule_export]
     use super::msgpack::msgpack_encode;
