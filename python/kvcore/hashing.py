@@ -13,10 +13,10 @@ serialised by :mod:`pickle` or ``cbor2`` instead, so every input hashes exactly 
 reference.
 
 Example:
-    >>> import os
-    >>> os.environ["PYTHONHASHSEED"] = "0"
-    >>> init_none_hash(sha256_cbor)
-    >>> hasher = get_request_block_hasher(16, sha256_cbor)
+    >>> init_none_hash(sha256_cbor)  # set PYTHONHASHSEED to share NONE_HASH across processes
+    >>> len(hash_block_tokens(sha256_cbor, None, list(range(16))))
+    32
+    >>> hasher = get_request_block_hasher(16, sha256_cbor)  # hasher(request) -> new hashes
 """
 
 from __future__ import annotations
