@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 
 mod errors;
 mod events;
+mod hashing;
 mod pool;
 
 /// The extension module.
@@ -17,6 +18,9 @@ mod _native {
 
     #[pymodule_export]
     use super::pool::{BlockList, KVCacheBlockView, PyBlockPool};
+
+    #[pymodule_export]
+    use super::hashing::{digest, hash_block_tokens, hash_object, hash_request_blocks};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
