@@ -60,7 +60,7 @@ _ENTRIES: list[Entry] = []
 
 
 def _module_name(request: pytest.FixtureRequest) -> str:
-    name = request.node.module.__name__.rsplit(".", 1)[-1]
+    name: str = request.node.module.__name__.rsplit(".", 1)[-1]
     return name.removeprefix("test_bench_")
 
 

@@ -180,8 +180,8 @@ class Driver:
         view = self.view(req)
         for h in view[: max(len(req.token_ids) - 1, 0) // self.bs]:
             (kh, rh), _ = p.both(
-                lambda h=h: p.k.get_cached_block(h, [gid]),
-                lambda h=h: p.r.get_cached_block(h, [gid]),
+                lambda h=h: p.k.get_cached_block(h, [gid]),  # type: ignore[misc]
+                lambda h=h: p.r.get_cached_block(h, [gid]),  # type: ignore[misc]
             )
             assert kh == (None if rh is None else [b.block_id for b in rh])
             if kh is None:
@@ -317,8 +317,8 @@ class Driver:
         gids = rng.choice([[0], [1], [0, 1], []])
         for h in self.view(req):
             (kh, rh), _ = p.both(
-                lambda h=h: p.k.get_cached_block(h, gids),
-                lambda h=h: p.r.get_cached_block(h, gids),
+                lambda h=h: p.k.get_cached_block(h, gids),  # type: ignore[misc]
+                lambda h=h: p.r.get_cached_block(h, gids),  # type: ignore[misc]
             )
             assert kh == (None if rh is None else [b.block_id for b in rh])
 
@@ -391,12 +391,15 @@ def test_scenario_of_the_spec_s3_matches_the_reference() -> None:
     for req in (ra, rb):
         (bk, br), _ = p.both(lambda: p.k.get_new_blocks(2), lambda: p.r.get_new_blocks(2))
         p.both(
-            lambda bk=bk, req=req: p.k.cache_full_blocks(req, bk, 0, 2, 16, 0),
-            lambda br=br, req=req: p.r.cache_full_blocks(req, br, 0, 2, 16, 0),
+            lambda bk=bk, req=req: p.k.cache_full_blocks(req, bk, 0, 2, 16, 0),  # type: ignore[misc]
+            lambda br=br, req=req: p.r.cache_full_blocks(req, br, 0, 2, 16, 0),  # type: ignore[misc]
         )
         p.check(False)
     for ids in ([2, 1], [4, 3]):
-        p.both(lambda ids=ids: p.k.free_blocks(ids), lambda ids=ids: p.r.free_blocks(p.rb(ids)))
+        p.both(
+            lambda ids=ids: p.k.free_blocks(ids),  # type: ignore[misc]
+            lambda ids=ids: p.r.free_blocks(p.rb(ids)),  # type: ignore[misc]
+        )
         p.check(False)
     (bk, br), _ = p.both(lambda: p.k.get_new_blocks(6), lambda: p.r.get_new_blocks(6))
     assert bk == [b.block_id for b in br] == [5, 6, 7, 8, 9, 2]

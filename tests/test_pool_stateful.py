@@ -104,7 +104,8 @@ class PoolModel:
             counts[b] = counts.get(b, 0) + 1
             if b != 0 and counts[b] > self.ref[b]:
                 raise DoubleFreeError
-        unhashed, hashed = [], []
+        unhashed: list[int] = []
+        hashed: list[int] = []
         for b in ids:
             self.ref[b] -= 1
             if self.ref[b] == 0 and b != 0:
