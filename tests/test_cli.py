@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvcore import cli
 from kvcore.simulate.backends import ManagerSettings, make_backend, model_preset
 from kvcore.simulate.report import percentile

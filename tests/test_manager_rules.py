@@ -13,6 +13,7 @@ from typing import Any
 
 import cbor2
 import pytest
+
 from kvcore.blocks import KVCacheBlocks
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import (

@@ -22,6 +22,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.manager import KVCacheManager
 from kvcore.request import Request, RequestStatus

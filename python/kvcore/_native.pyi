@@ -5,19 +5,18 @@ from typing import Any, final
 
 from typing_extensions import disjoint_base
 
-
 __all__ = [
     "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "KVCacheEvent",
     "BlockIdError",
     "BlockList",
     "BlockPool",
+    "BlockRemoved",
     "BlockStateError",
+    "BlockStored",
     "DoubleFreeError",
     "InvalidArgumentError",
     "KVCacheBlockView",
+    "KVCacheEvent",
     "KvcoreError",
     "NoFreeBlocksError",
     "UnitaryFullAttention",
