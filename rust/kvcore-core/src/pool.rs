@@ -822,6 +822,11 @@ impl BlockPool {
         true
     }
 
+    /// Whether events are waiting to be taken.
+    pub fn has_pending_events(&self) -> bool {
+        !self.events.is_empty()
+    }
+
     /// Hands over the queued events in emission order (SPEC POOL-22).
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.events)
