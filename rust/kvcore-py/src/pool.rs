@@ -401,7 +401,7 @@ impl PyBlockPool {
             kv_cache_group_id,
             block_mask.as_deref(),
             HashSource {
-                len: view_len,
+                len: &mut || Ok(view_len),
                 get: &mut get,
             },
             &mut meta,
