@@ -32,9 +32,10 @@ os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import kvcore_kernels as kk
 import torch
 import triton.testing
+
+import kvcore_kernels as kk
 from kvcore_kernels import reference as ref
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvcore_kernels import build_metadata
 from kvcore_kernels.metadata import AttentionMetadata
 

@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import triton
-from kvcore_kernels import _common, attention, cache
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from kvcore_kernels import _common, attention, cache
 
 TARGET = GPUTarget("cuda", 90, 32)
 _TYPES = {

@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import kvcore_kernels as kk
 import pytest
 import torch
+from kvk_cases import TOLERANCE, make_batch
+
+import kvcore_kernels as kk
 from kvcore_kernels import AttentionConfig
 from kvcore_kernels import reference as ref
 from kvcore_kernels.attention import _default_num_splits
-from kvk_cases import TOLERANCE, make_batch
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

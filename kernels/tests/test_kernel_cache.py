@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import kvcore_kernels as kk
 import pytest
 import torch
-from kvcore_kernels import reference as ref
 from kvk_cases import FP8, poison
+
+import kvcore_kernels as kk
+from kvcore_kernels import reference as ref
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import kvcore_kernels as kk
 import pytest
 import torch
-from kvcore_kernels import attention, cache
 from kvk_cases import make_batch
+
+import kvcore_kernels as kk
+from kvcore_kernels import attention, cache
 
 F16 = torch.float16
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import kvcore_kernels as kk
 import pytest
 import torch
+
+import kvcore_kernels as kk
 
 
 def test_build_metadata_mixed_step() -> None:
