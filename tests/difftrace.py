@@ -129,8 +129,14 @@ CONFIGS: tuple[TraceConfig, ...] = (
     TraceConfig("full-xxhash", (_F16,), hash_fn="xxhash", watermark=0.05),
     TraceConfig("full-noevents", (_F16,), events=False, external=True, lookahead=1),
     TraceConfig("full-eagle", (_F16,), use_eagle=True, lookahead=3),
-    TraceConfig("full-bs32-nosalt", (_g("full", 32),), scheduler_block_size=32,
-                hash_block_size=32, salt=False, num_blocks=40),
+    TraceConfig(
+        "full-bs32-nosalt",
+        (_g("full", 32),),
+        scheduler_block_size=32,
+        hash_block_size=32,
+        salt=False,
+        num_blocks=40,
+    ),
     TraceConfig("swa", (_g("swa", window=48),), external=True, delay=True),
     TraceConfig("chunked", (_g("chunked", window=64),), external=True),
     TraceConfig("rswa", (_g("rswa", window=64),), watermark=0.05),
@@ -143,19 +149,38 @@ CONFIGS: tuple[TraceConfig, ...] = (
     TraceConfig("nocache-cross", (_F16, _g("cross")), enable_caching=False, encoder_tokens=40),
     TraceConfig("nocache-full-mamba", (_F16, _g("mamba")), enable_caching=False),
     # Hybrid coordinator.
-    TraceConfig("hybrid-full-swa", (_F16, _g("swa", window=32)), external=True, delay=True,
-                num_blocks=96),
-    TraceConfig("hybrid-full-swa-eagle", (_F16, _g("swa", window=64)), use_eagle=True,
-                lookahead=2, num_blocks=96),
+    TraceConfig(
+        "hybrid-full-swa", (_F16, _g("swa", window=32)), external=True, delay=True, num_blocks=96
+    ),
+    TraceConfig(
+        "hybrid-full-swa-eagle",
+        (_F16, _g("swa", window=64)),
+        use_eagle=True,
+        lookahead=2,
+        num_blocks=96,
+    ),
     TraceConfig("hybrid-full-chunked", (_F16, _g("chunked", window=64)), num_blocks=96),
     TraceConfig("hybrid-full-mamba-all", (_F16, _g("mamba", mamba_mode="all")), num_blocks=96),
-    TraceConfig("hybrid-full-mamba-align", (_F16, _g("mamba", mamba_mode="align")),
-                num_blocks=96, mamba_align_split=True),
-    TraceConfig("hybrid-full32-swa16", (_g("full", 32), _g("swa", 16, window=48)),
-                scheduler_block_size=32, hash_block_size=16, num_blocks=96,
-                hash_fn="xxhash"),
-    TraceConfig("hybrid-full-swa-swa", (_F16, _g("swa", window=32), _g("swa", window=96)),
-                num_blocks=128, watermark=0.05),
+    TraceConfig(
+        "hybrid-full-mamba-align",
+        (_F16, _g("mamba", mamba_mode="align")),
+        num_blocks=96,
+        mamba_align_split=True,
+    ),
+    TraceConfig(
+        "hybrid-full32-swa16",
+        (_g("full", 32), _g("swa", 16, window=48)),
+        scheduler_block_size=32,
+        hash_block_size=16,
+        num_blocks=96,
+        hash_fn="xxhash",
+    ),
+    TraceConfig(
+        "hybrid-full-swa-swa",
+        (_F16, _g("swa", window=32), _g("swa", window=96)),
+        num_blocks=128,
+        watermark=0.05,
+    ),
 )
 
 
@@ -318,9 +343,7 @@ def kvcore_hasher(cfg: TraceConfig) -> tuple[Callable[[Any], list[bytes]], str]:
         return reference_hasher(cfg), "reference"
     fn = hashing.get_hash_fn_by_name(cfg.hash_fn)
     hashing.init_none_hash(fn)
-    hasher: Callable[[Any], list[bytes]] = hashing.get_request_block_hasher(
-        cfg.hash_block_size, fn
-    )
+    hasher: Callable[[Any], list[bytes]] = hashing.get_request_block_hasher(cfg.hash_block_size, fn)
     return hasher, "kvcore"
 
 
@@ -549,8 +572,7 @@ class TraceDriver:
             self.bump("prefix hits")
         return res[0][0], int(out[1]), res[1][0]
 
-    def allocate(self, r: _Req, num_new: int, hits: int = 0, blocks: Any = None,
-                 **kw: Any) -> bool:
+    def allocate(self, r: _Req, num_new: int, hits: int = 0, blocks: Any = None, **kw: Any) -> bool:
         kw.setdefault("num_lookahead_tokens", self.cfg.lookahead)
         desc = (
             f"allocate_slots({r.rid}, new={num_new}, hit={hits}, comp={r.computed}, "
@@ -626,8 +648,7 @@ class _Workload:
         return [self.rng.randrange(1, _VOCAB) for _ in range(n)]
 
 
-def _mamba_align_split(cfg: TraceConfig, r: _Req, num_new: int, computed: int,
-                       budget: int) -> int:
+def _mamba_align_split(cfg: TraceConfig, r: _Req, num_new: int, computed: int, budget: int) -> int:
     """The scheduler's block-aligned prefill split for Mamba align mode."""
     if computed < max(r.ref.num_prompt_tokens, r.num_tokens - 1):
         bs = cfg.scheduler_block_size
@@ -793,7 +814,7 @@ def run_trace(
             rid = running[0].rid
             d.call(
                 f"get_num_common_prefix_blocks({rid})",
-                lambda s, i: list(s.manager.get_num_common_prefix_blocks(rid)),
+                lambda s, i, rid=rid: list(s.manager.get_num_common_prefix_blocks(rid)),
             )
         d.call("take_new_block_ids()", lambda s, i: list(s.manager.take_new_block_ids()))
 
@@ -821,11 +842,14 @@ def run_trace(
             n = r.computed
             d.call(
                 f"get_block_ids_for_computed_tokens({r.rid}, {n})",
-                lambda s, i: s.manager.get_block_ids_for_computed_tokens(r.rid, n),
+                lambda s, i, r=r, n=n: s.manager.get_block_ids_for_computed_tokens(r.rid, n),
             )
         if cfg.enable_caching and rng.random() < 0.05:
             ids = {rng.randrange(0, cfg.num_blocks) for _ in range(rng.randrange(1, 6))}
-            d.call(f"evict_blocks({sorted(ids)})", lambda s, i: s.manager.evict_blocks(set(ids)))
+            d.call(
+                f"evict_blocks({sorted(ids)})",
+                lambda s, i, ids=ids: s.manager.evict_blocks(set(ids)),
+            )
         if rng.random() < 0.03:
             d.call("reset_prefix_cache()", lambda s, i: s.manager.reset_prefix_cache())
         d.check_state()

@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.kv_cache_manager")
 
-from difftrace import (  # noqa: E402  (after the reference check)
+from difftrace import (
     CONFIGS,
     KvcoreSide,
     Mismatch,
