@@ -4,6 +4,26 @@ The block pool and block hashing live in a Rust core (``kvcore._native``); the r
 manager, coordinators, specs and requests are Python modules of this package.
 """
 
-from kvcore._native import KvcoreError, __version__
+from kvcore._native import (
+    BlockIdError,
+    BlockPool,
+    BlockStateError,
+    DoubleFreeError,
+    InvalidArgumentError,
+    KVCacheBlockView,
+    KvcoreError,
+    NoFreeBlocksError,
+    __version__,
+)
 
-__all__ = ["KvcoreError", "__version__"]
+__all__ = [
+    "BlockIdError",
+    "BlockPool",
+    "BlockStateError",
+    "DoubleFreeError",
+    "InvalidArgumentError",
+    "KVCacheBlockView",
+    "KvcoreError",
+    "NoFreeBlocksError",
+    "__version__",
+]

@@ -1,6 +1,172 @@
 """Type stubs of the native extension ``kvcore._native``."""
 
+from collections.abc import Iterable, Sequence
+from typing import Any, final
+
+from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+__all__ = [
+    "BlockIdError",
+    "BlockList",
+    "BlockPool",
+    "BlockStateError",
+    "DoubleFreeError",
+    "InvalidArgumentError",
+    "KVCacheBlockView",
+    "KvcoreError",
+    "NoFreeBlocksError",
+    "UnitaryFullAttention",
+    "__version__",
+]
 __version__: str
 
 class KvcoreError(Exception):
     """Base class of every exception kvcore raises."""
+
+class BlockIdError(KvcoreError, IndexError, AssertionError):
+    """A block id outside the pool."""
+
+class NoFreeBlocksError(KvcoreError, ValueError):
+    """More blocks were asked for than are free (SPEC POOL-5)."""
+
+class DoubleFreeError(KvcoreError, ValueError):
+    """A block was freed more often than it was referenced."""
+
+class BlockStateError(KvcoreError, RuntimeError):
+    """A block is in a state the operation cannot accept (SPEC POOL-9)."""
+
+class InvalidArgumentError(KvcoreError, ValueError, AssertionError):
+    """An argument violates a precondition the reference asserts."""
+
+@final
+class KVCacheBlockView:
+    """A snapshot of one block's state (SPEC BLK-1)."""
+
+    @property
+    def block_id(self) -> int: ...
+    @property
+    def ref_cnt(self) -> int: ...
+    @property
+    def block_hash(self) -> bytes | None: ...
+    @property
+    def block_hash_num_tokens(self) -> int | None: ...
+    @property
+    def is_null(self) -> bool: ...
+
+@final
+class BlockList:
+    """The read-only sequence behind ``BlockPool.blocks``."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> KVCacheBlockView: ...
+
+@final
+class BlockPool:
+    """The KV-cache block pool (SPEC §4). A block is its ``int`` id; block 0 is null."""
+
+    def __new__(
+        cls,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: None = None,
+    ) -> BlockPool: ...
+    @property
+    def num_gpu_blocks(self) -> int: ...
+    @property
+    def enable_caching(self) -> bool: ...
+    @property
+    def hash_block_size(self) -> int: ...
+    @property
+    def enable_kv_cache_events(self) -> bool: ...
+    @property
+    def null_block(self) -> int: ...
+    @property
+    def blocks(self) -> BlockList: ...
+    def get_num_free_blocks(self) -> int: ...
+    def get_usage(self) -> float: ...
+    def get_new_blocks(self, num_blocks: int) -> list[int]: ...
+    def touch(self, blocks: Iterable[int]) -> None: ...
+    def free_blocks(self, ordered_blocks: Iterable[int]) -> None: ...
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: Sequence[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None: ...
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: int,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+    ) -> bytes | None: ...
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> list[int] | None: ...
+    def longest_cached_prefix(
+        self,
+        block_hashes: Sequence[bytes],
+        max_num_blocks: int,
+        kv_cache_group_ids: Sequence[int],
+        stride: int = 1,
+    ) -> list[list[int]]: ...
+    def evict_blocks(self, block_ids: Iterable[int]) -> None: ...
+    def reset_prefix_cache(self) -> bool: ...
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
+    def get_all_free_block_ids(self) -> list[int]: ...
+    def get_ref_cnts(self, block_ids: Iterable[int]) -> list[int]: ...
+    def count_evictable(self, block_ids: Iterable[int]) -> int: ...
+    def get_block_hashes(self, block_ids: Iterable[int]) -> list[bytes | None]: ...
+    def check_invariants(self) -> None: ...
+    def __len__(self) -> int: ...
+
+@final
+class UnitaryFullAttention:
+    """Per-request state and calls of a manager whose only group is full attention."""
+
+    def __new__(
+        cls,
+        pool: BlockPool,
+        block_size: int,
+        record_new_block_ids: bool,
+        max_model_len: int,
+        watermark_blocks: int,
+        use_eagle: bool,
+        blocks_cls: Any,
+        empty: Any,
+    ) -> UnitaryFullAttention: ...
+    def get_computed_blocks(self, request: Any) -> tuple[Any, int]: ...
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+    ) -> Any | None: ...
+    def free(self, request: Any) -> None: ...
+    def pop_blocks_for_free(self, request: Any) -> list[int]: ...
+    def get_blocks(self, request_id: str) -> Any: ...
+    def get_block_ids(self, request_id: str) -> tuple[list[int]]: ...
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int]]: ...
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]: ...
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None: ...
+    def take_new_block_ids(self) -> list[int]: ...
+    def num_requests(self) -> int: ...
+    def is_running(self, request_id: str) -> bool: ...
+    def num_cached_blocks(self, request_id: str) -> int | None: ...

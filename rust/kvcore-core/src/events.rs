@@ -20,6 +20,18 @@ pub struct StoredMeta {
     pub extra_keys: Option<Vec<Option<Value>>>,
 }
 
+/// The request ranges a `BlockStored` event describes; the pool hands this to the caller's
+/// metadata callback so that request fields are read only when events are on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaRequest<'a> {
+    /// Token range `[start, end)` whose ids the event carries.
+    pub token_range: (usize, usize),
+    /// Token range of each stored block, for its extra keys (SPEC XK-1).
+    pub block_ranges: &'a [(usize, usize)],
+    /// Multimodal feature index to start the extra-key scan from (SPEC XK-2).
+    pub first_mm_idx: i64,
+}
+
 /// One KV cache event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {

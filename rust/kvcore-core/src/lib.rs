@@ -22,6 +22,7 @@
 
 pub mod error;
 pub mod events;
+pub mod full_attention;
 pub mod hash;
 pub mod hashing;
 pub mod pool;

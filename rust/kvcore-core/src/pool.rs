@@ -1,1 +1,938 @@
-//! The block pool (SPEC §1–4).
+//! The block pool (SPEC §1–4): blocks, reference counts, the free queue in eviction order, the
+//! null block, the prefix-cache index and KV events.
+//!
+//! # Implementation
+//! Blocks are plain indices. Per block the pool keeps a reference count and two queue links
+//! (`prev`/`next` arrays with a head and a tail sentinel, as in slab's vacant chain), plus an
+//! index into a small slab of primary keys that only hashed blocks use. The prefix-cache index
+//! maps a [`BlockKey`] to the blocks stored under it in insertion order; alias keys (SPEC MAP-6)
+//! live in a side table that is empty unless partial entries are used.
+//!
+//! # Invariants
+//! Checked by [`BlockPool::check_invariants`]:
+//! - a block is linked in the queue iff its `ref_cnt` is 0 and it is not the null block;
+//! - the queue length equals the free count and the links are consistent both ways;
+//! - every key in the index lists only blocks that hold it (primary or alias), and every key a
+//!   block holds lists that block exactly once.
+
+use hashbrown::HashMap;
+
+use crate::error::PoolError;
+use crate::events::{KvEvent, MetaRequest, StoredMeta};
+use crate::hash::{BlockHash, BlockKey};
+
+/// A block id (an index into the pool).
+pub type BlockId = u32;
+
+/// Marks "no link" / "no key" in the per-block arrays.
+const NIL: u32 = u32::MAX;
+
+/// The blocks stored under one prefix-cache key, in insertion order (SPEC MAP-1).
+#[derive(Debug, Clone)]
+enum Entry {
+    One(BlockId),
+    Many(Vec<BlockId>),
+}
+
+impl Entry {
+    fn first(&self) -> BlockId {
+        match self {
+            Entry::One(b) => *b,
+            // A `Many` entry always holds at least one block (see `remove`).
+            Entry::Many(v) => v[0],
+        }
+    }
+
+    fn contains(&self, block: BlockId) -> bool {
+        match self {
+            Entry::One(b) => *b == block,
+            Entry::Many(v) => v.contains(&block),
+        }
+    }
+
+    fn ids(&self) -> &[BlockId] {
+        match self {
+            Entry::One(b) => std::slice::from_ref(b),
+            Entry::Many(v) => v,
+        }
+    }
+}
+
+/// The primary key of a hashed block and the prefix length it covers (SPEC BLK-1).
+#[derive(Debug, Clone, Copy)]
+struct Primary {
+    key: BlockKey,
+    num_tokens: u32,
+}
+
+/// The block pool. See the module documentation.
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    num_blocks: usize,
+    enable_caching: bool,
+    hash_block_size: usize,
+    events_enabled: bool,
+    ref_cnt: Vec<i32>,
+    /// Queue links; indices `num_blocks` (head) and `num_blocks + 1` (tail) are sentinels.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    num_free: usize,
+    /// Per block: slot in `primaries`, or `NIL`.
+    primary_slot: Vec<u32>,
+    primaries: Vec<Primary>,
+    free_slots: Vec<u32>,
+    index: HashMap<BlockKey, Entry>,
+    aliases: HashMap<BlockId, Vec<BlockKey>>,
+    events: Vec<KvEvent>,
+}
+
+/// What `cache_full_blocks` needs to know about the request's hashes.
+pub struct HashSource<'a, E> {
+    /// Number of entries in the (possibly block-size-adjusted) hash view.
+    pub len: usize,
+    /// Reads entry `i` of the view (`0 <= i < len`).
+    pub get: &'a mut dyn FnMut(usize) -> Result<BlockHash, E>,
+}
+
+impl BlockPool {
+    /// Builds a pool of `num_blocks` blocks; block 0 becomes the null block and the free queue
+    /// is `[1..num_blocks-1]` (SPEC POOL-1).
+    ///
+    /// # Errors
+    /// [`PoolError::InvalidPoolSize`] when `num_blocks <= 0` or does not fit in a `u32`.
+    pub fn new(
+        num_blocks: i64,
+        enable_caching: bool,
+        hash_block_size: usize,
+        events_enabled: bool,
+    ) -> Result<Self, PoolError> {
+        if num_blocks <= 0 || num_blocks >= i64::from(u32::MAX - 2) {
+            return Err(PoolError::InvalidPoolSize(num_blocks));
+        }
+        if hash_block_size == 0 {
+            return Err(PoolError::Invalid(
+                "hash_block_size must be positive".into(),
+            ));
+        }
+        let n = num_blocks as usize;
+        let head = n as u32;
+        let tail = head + 1;
+        let mut prev = vec![NIL; n + 2];
+        let mut next = vec![NIL; n + 2];
+        // Queue [1..n-1]; block 0 is the null block and never linked.
+        let mut last = head;
+        for b in 1..n as u32 {
+            next[last as usize] = b;
+            prev[b as usize] = last;
+            last = b;
+        }
+        next[last as usize] = tail;
+        prev[tail as usize] = last;
+        Ok(Self {
+            num_blocks: n,
+            enable_caching,
+            hash_block_size,
+            events_enabled,
+            ref_cnt: vec![0; n],
+            prev,
+            next,
+            num_free: n - 1,
+            primary_slot: vec![NIL; n],
+            primaries: Vec::new(),
+            free_slots: Vec::new(),
+            index: HashMap::new(),
+            aliases: HashMap::new(),
+            events: Vec::new(),
+        })
+    }
+
+    // ----------------------------------------------------------------- accessors
+
+    /// Number of blocks, the null block included.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Whether prefix caching is on.
+    pub fn enable_caching(&self) -> bool {
+        self.enable_caching
+    }
+
+    /// Tokens per hash block.
+    pub fn hash_block_size(&self) -> usize {
+        self.hash_block_size
+    }
+
+    /// Whether KV events are recorded.
+    pub fn events_enabled(&self) -> bool {
+        self.events_enabled
+    }
+
+    /// The null block's id (always 0).
+    pub const fn null_block() -> BlockId {
+        0
+    }
+
+    /// Number of blocks in the free queue (SPEC POOL-2).
+    #[inline]
+    pub fn get_num_free_blocks(&self) -> usize {
+        self.num_free
+    }
+
+    /// Fraction of the non-null blocks in use; `None` for a pool with only the null block, where
+    /// the reference returns the integer 0 (SPEC POOL-3).
+    pub fn get_usage(&self) -> Option<f64> {
+        let total = self.num_blocks - 1;
+        if total == 0 {
+            None
+        } else {
+            Some(1.0 - self.num_free as f64 / total as f64)
+        }
+    }
+
+    /// Checks that `id` names a block of this pool.
+    ///
+    /// # Errors
+    /// [`PoolError::BlockOutOfRange`] otherwise.
+    #[inline]
+    pub fn check_id(&self, id: i64) -> Result<BlockId, PoolError> {
+        if id < 0 || id as u64 >= self.num_blocks as u64 {
+            Err(PoolError::BlockOutOfRange {
+                block_id: id,
+                num_blocks: self.num_blocks,
+            })
+        } else {
+            Ok(id as BlockId)
+        }
+    }
+
+    fn check_ids(&self, ids: &[BlockId]) -> Result<(), PoolError> {
+        match ids.iter().find(|&&b| b as usize >= self.num_blocks) {
+            Some(&b) => Err(PoolError::BlockOutOfRange {
+                block_id: i64::from(b),
+                num_blocks: self.num_blocks,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The reference count of a block (the null block's may be negative, SPEC BLK-3).
+    #[inline]
+    pub fn ref_cnt(&self, block: BlockId) -> i32 {
+        self.ref_cnt[block as usize]
+    }
+
+    /// Whether `block` is the null block.
+    #[inline]
+    pub fn is_null(block: BlockId) -> bool {
+        block == 0
+    }
+
+    /// The block's primary key and the number of tokens it covers, if it has one.
+    pub fn primary_key(&self, block: BlockId) -> Option<(BlockKey, usize)> {
+        let slot = self.primary_slot[block as usize];
+        (slot != NIL).then(|| {
+            let p = self.primaries[slot as usize];
+            (p.key, p.num_tokens as usize)
+        })
+    }
+
+    /// Whether the block has a primary key.
+    #[inline]
+    pub fn has_hash(&self, block: BlockId) -> bool {
+        self.primary_slot[block as usize] != NIL
+    }
+
+    /// The block's alias keys (SPEC MAP-6).
+    pub fn alias_keys(&self, block: BlockId) -> &[BlockKey] {
+        self.aliases.get(&block).map_or(&[], |v| v.as_slice())
+    }
+
+    /// Number of keys in the prefix-cache index (SPEC MAP-5).
+    pub fn num_cached_keys(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether the block is linked in the free queue.
+    #[inline]
+    fn is_queued(&self, block: BlockId) -> bool {
+        let b = block as usize;
+        self.prev[b] != NIL || self.next[b] != NIL
+    }
+
+    /// The free queue front to back (SPEC FQ-6).
+    pub fn all_free_block_ids(&self) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(self.num_free);
+        let tail = self.num_blocks as u32 + 1;
+        let mut cur = self.next[self.num_blocks];
+        while cur != tail && cur != NIL {
+            out.push(cur);
+            cur = self.next[cur as usize];
+        }
+        out
+    }
+
+    // ----------------------------------------------------------------- index
+
+    /// The earliest inserted block still stored under `key` (SPEC MAP-2).
+    #[inline]
+    pub fn get_one_block(&self, key: &BlockKey) -> Option<BlockId> {
+        self.index.get(key).map(Entry::first)
+    }
+
+    /// Whether `key` lists `block` (SPEC MAP-7).
+    pub fn contains(&self, key: &BlockKey, block: BlockId) -> bool {
+        self.index.get(key).is_some_and(|e| e.contains(block))
+    }
+
+    /// `[MAP-2(hash‖g) for g in group_ids]`, or `None` when any group misses (SPEC POOL-4).
+    pub fn get_cached_block(&self, hash: &BlockHash, group_ids: &[u32]) -> Option<Vec<BlockId>> {
+        group_ids
+            .iter()
+            .map(|&g| self.get_one_block(&BlockKey::new(*hash, g)))
+            .collect()
+    }
+
+    /// Walks `hashes` from the front and collects, per group, the cached block of each hash,
+    /// stopping at the first hash that misses in any group (the full-attention hit search, SPEC
+    /// FA-1, in one call).
+    pub fn longest_cached_prefix(
+        &self,
+        hashes: impl IntoIterator<Item = BlockHash>,
+        group_ids: &[u32],
+    ) -> Vec<Vec<BlockId>> {
+        let mut out: Vec<Vec<BlockId>> = vec![Vec::new(); group_ids.len()];
+        'outer: for h in hashes {
+            let start = out.first().map_or(0, Vec::len);
+            for (gi, &g) in group_ids.iter().enumerate() {
+                match self.get_one_block(&BlockKey::new(h, g)) {
+                    Some(b) => out[gi].push(b),
+                    None => {
+                        for v in out.iter_mut().take(gi) {
+                            v.truncate(start);
+                        }
+                        break 'outer;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn index_insert(&mut self, key: BlockKey, block: BlockId) {
+        match self.index.get_mut(&key) {
+            None => {
+                self.index.insert(key, Entry::One(block));
+            }
+            Some(e) => match e {
+                Entry::One(b) => *e = Entry::Many(vec![*b, block]),
+                Entry::Many(v) => v.push(block),
+            },
+        }
+    }
+
+    /// SPEC MAP-4: removes `block` from `key`; true when something was removed.
+    fn index_remove(&mut self, key: &BlockKey, block: BlockId) -> bool {
+        let Some(e) = self.index.get_mut(key) else {
+            return false;
+        };
+        match e {
+            Entry::One(b) => {
+                if *b != block {
+                    return false;
+                }
+                self.index.remove(key);
+                true
+            }
+            Entry::Many(v) => {
+                let Some(pos) = v.iter().position(|&x| x == block) else {
+                    return false;
+                };
+                v.remove(pos);
+                if v.is_empty() {
+                    self.index.remove(key);
+                }
+                true
+            }
+        }
+    }
+
+    fn set_primary(&mut self, block: BlockId, key: BlockKey, num_tokens: u32) {
+        let p = Primary { key, num_tokens };
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.primaries[s as usize] = p;
+                s
+            }
+            None => {
+                self.primaries.push(p);
+                (self.primaries.len() - 1) as u32
+            }
+        };
+        self.primary_slot[block as usize] = slot;
+    }
+
+    fn clear_primary(&mut self, block: BlockId) {
+        let slot = std::mem::replace(&mut self.primary_slot[block as usize], NIL);
+        if slot != NIL {
+            self.free_slots.push(slot);
+        }
+    }
+
+    /// SPEC POOL-31: stores `block` under `key` unless it already is.
+    fn insert_key(&mut self, key: BlockKey, block: BlockId, num_tokens: u32) {
+        if let Some((pk, _)) = self.primary_key(block) {
+            if pk == key {
+                return;
+            }
+        }
+        if self.contains(&key, block) {
+            return;
+        }
+        if self.has_hash(block) {
+            self.aliases.entry(block).or_default().push(key);
+        } else {
+            self.set_primary(block, key, num_tokens);
+        }
+        self.index_insert(key, block);
+    }
+
+    /// Removes every key of `block` (primary first, then aliases), resets its hash and emits one
+    /// `BlockRemoved` per key actually removed (SPEC POOL-6).
+    fn remove_keys(&mut self, block: BlockId) {
+        let primary = self.primary_key(block).map(|(k, _)| k);
+        let aliases = self.aliases.remove(&block);
+        if primary.is_none() && aliases.is_none() {
+            return;
+        }
+        for key in primary.into_iter().chain(aliases.into_iter().flatten()) {
+            if self.index_remove(&key, block) && self.events_enabled {
+                self.events.push(KvEvent::BlockRemoved {
+                    block_hash: key.hash,
+                    group_idx: key.group_id,
+                });
+            }
+        }
+        self.clear_primary(block);
+    }
+
+    // ----------------------------------------------------------------- queue
+
+    #[inline]
+    fn unlink(&mut self, block: BlockId) {
+        let b = block as usize;
+        let (p, n) = (self.prev[b], self.next[b]);
+        self.next[p as usize] = n;
+        self.prev[n as usize] = p;
+        self.prev[b] = NIL;
+        self.next[b] = NIL;
+        self.num_free -= 1;
+    }
+
+    #[inline]
+    fn link_after(&mut self, after: u32, block: BlockId) {
+        let b = block as usize;
+        let n = self.next[after as usize];
+        self.prev[b] = after;
+        self.next[b] = n;
+        self.next[after as usize] = block;
+        self.prev[n as usize] = block;
+        self.num_free += 1;
+    }
+
+    // ----------------------------------------------------------------- operations
+
+    /// Pops `n` blocks from the front of the free queue, evicting their keys when caching is
+    /// on, and hands them out with `ref_cnt = 1` (SPEC POOL-5, POOL-6).
+    ///
+    /// # Errors
+    /// [`PoolError::NotEnoughFreeBlocks`] when `n` exceeds the free count; nothing changes.
+    pub fn get_new_blocks(&mut self, n: usize) -> Result<Vec<BlockId>, PoolError> {
+        let mut out = Vec::with_capacity(n);
+        self.get_new_blocks_into(n, &mut out)?;
+        Ok(out)
+    }
+
+    /// Like [`Self::get_new_blocks`], appending to `out`.
+    ///
+    /// # Errors
+    /// As [`Self::get_new_blocks`].
+    pub fn get_new_blocks_into(
+        &mut self,
+        n: usize,
+        out: &mut Vec<BlockId>,
+    ) -> Result<(), PoolError> {
+        if n > self.num_free {
+            return Err(PoolError::NotEnoughFreeBlocks {
+                requested: n,
+                free: self.num_free,
+            });
+        }
+        out.reserve(n);
+        let head = self.num_blocks as u32;
+        for _ in 0..n {
+            let b = self.next[head as usize];
+            self.unlink(b);
+            if self.enable_caching {
+                self.remove_keys(b);
+            }
+            debug_assert_eq!(self.ref_cnt[b as usize], 0);
+            self.ref_cnt[b as usize] = 1;
+            out.push(b);
+        }
+        Ok(())
+    }
+
+    /// Takes a reference on each block, dequeuing those that were free (SPEC POOL-9).
+    ///
+    /// # Errors
+    /// [`PoolError::BlockOutOfRange`], or [`PoolError::NotFreeNorReferenced`] for a block with
+    /// `ref_cnt == 0` outside the queue. All ids are checked before anything changes.
+    pub fn touch(&mut self, blocks: &[BlockId]) -> Result<(), PoolError> {
+        self.check_ids(blocks)?;
+        for &b in blocks {
+            let rc = self.ref_cnt[b as usize];
+            if rc == 0 && b != 0 && !self.is_queued(b) {
+                return Err(PoolError::NotFreeNorReferenced(b));
+            }
+            if rc == i32::MAX {
+                return Err(PoolError::Invalid(format!(
+                    "reference count of block {b} would overflow"
+                )));
+            }
+        }
+        for &b in blocks {
+            if self.ref_cnt[b as usize] == 0 && b != 0 {
+                self.unlink(b);
+            }
+            self.ref_cnt[b as usize] += 1;
+        }
+        Ok(())
+    }
+
+    /// Drops one reference per listed block; blocks reaching 0 rejoin the queue, unhashed ones
+    /// at the front and hashed ones at the back, each group in list order (SPEC POOL-10).
+    ///
+    /// # Errors
+    /// [`PoolError::BlockOutOfRange`], or [`PoolError::DoubleFree`] when a non-null block would
+    /// go below 0. All ids are checked before anything changes.
+    pub fn free_blocks(&mut self, ordered: &[BlockId]) -> Result<(), PoolError> {
+        self.free_blocks_iter(ordered.iter().copied())
+    }
+
+    /// [`Self::free_blocks`] over any re-iterable sequence (e.g. a reversed slice).
+    ///
+    /// # Errors
+    /// As [`Self::free_blocks`].
+    pub fn free_blocks_iter<I>(&mut self, ordered: I) -> Result<(), PoolError>
+    where
+        I: IntoIterator<Item = BlockId> + Clone,
+    {
+        self.validate_free(ordered.clone())?;
+        let mut with_hash: Vec<BlockId> = Vec::new();
+        let mut without_hash: Vec<BlockId> = Vec::new();
+        for b in ordered {
+            let rc = &mut self.ref_cnt[b as usize];
+            *rc -= 1;
+            if *rc == 0 && b != 0 {
+                if self.primary_slot[b as usize] == NIL {
+                    without_hash.push(b);
+                } else {
+                    with_hash.push(b);
+                }
+            }
+        }
+        // prepend_n: keep order, first element becomes the front.
+        let head = self.num_blocks as u32;
+        let mut after = head;
+        for b in without_hash {
+            self.link_after(after, b);
+            after = b;
+        }
+        let tail = head + 1;
+        for b in with_hash {
+            let last = self.prev[tail as usize];
+            self.link_after(last, b);
+        }
+        Ok(())
+    }
+
+    /// Checks that freeing `ordered` takes no non-null block below 0, counting repeats, by
+    /// decrementing tentatively and undoing the decrements afterwards.
+    fn validate_free<I>(&mut self, ordered: I) -> Result<(), PoolError>
+    where
+        I: IntoIterator<Item = BlockId> + Clone,
+    {
+        let mut done = 0usize;
+        let mut err = None;
+        for b in ordered.clone() {
+            if b as usize >= self.num_blocks {
+                err = Some(PoolError::BlockOutOfRange {
+                    block_id: i64::from(b),
+                    num_blocks: self.num_blocks,
+                });
+                break;
+            }
+            let rc = self.ref_cnt[b as usize];
+            if (b != 0 && rc <= 0) || rc == i32::MIN {
+                err = Some(PoolError::DoubleFree(b));
+                break;
+            }
+            self.ref_cnt[b as usize] = rc - 1;
+            done += 1;
+        }
+        for b in ordered.into_iter().take(done) {
+            self.ref_cnt[b as usize] += 1;
+        }
+        err.map_or(Ok(()), Err)
+    }
+
+    /// Stores the request's newly full blocks in the prefix cache (SPEC POOL-13..17).
+    ///
+    /// `new_blocks` is `blocks[num_cached..num_full]` of the request's list for the group; `hashes` is the hash view at
+    /// `block_size` granularity (the caller builds the HBS view, SPEC RH-3). `meta` is called
+    /// once, only when events are on, with the ranges the event describes.
+    ///
+    /// # Errors
+    /// Every precondition is checked before anything changes: block ids, mask length, view
+    /// length, promotions (SPEC POOL-16), and errors returned by `hashes` or `meta`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cache_full_blocks<E: From<PoolError>>(
+        &mut self,
+        new_blocks: &[BlockId],
+        num_cached: usize,
+        num_full: usize,
+        block_size: usize,
+        group_id: u32,
+        mask: Option<&[bool]>,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<(), E> {
+        if num_cached >= num_full {
+            return Ok(());
+        }
+        if !block_size.is_multiple_of(self.hash_block_size) {
+            return Err(PoolError::BlockSizeNotMultiple {
+                block_size,
+                hash_block_size: self.hash_block_size,
+            }
+            .into());
+        }
+        if new_blocks.len() != num_full - num_cached {
+            return Err(PoolError::Invalid(format!(
+                "{} blocks given for positions {num_cached}..{num_full}",
+                new_blocks.len()
+            ))
+            .into());
+        }
+        let new = new_blocks;
+        if let Some(m) = mask {
+            if m.len() != new.len() {
+                return Err(PoolError::MaskLength {
+                    expected: new.len(),
+                    got: m.len(),
+                }
+                .into());
+            }
+        }
+        if hashes.len < num_full {
+            return Err(PoolError::NotEnoughHashes {
+                needed: num_full,
+                available: hashes.len,
+            }
+            .into());
+        }
+        self.check_ids(new)?;
+        // Gather keys and validate promotions before mutating anything.
+        let mut stored: Vec<(usize, BlockId, BlockKey, u32)> = Vec::with_capacity(new.len());
+        for (i, &blk) in new.iter().enumerate() {
+            if blk == 0 || mask.is_some_and(|m| !m[i]) {
+                continue;
+            }
+            let pos = num_cached + i;
+            let covered = (pos + 1) * block_size;
+            if let Some((_, have)) = self.primary_key(blk) {
+                if have >= covered {
+                    return Err(PoolError::NotAPromotion {
+                        block_id: blk,
+                        have,
+                        covered,
+                    }
+                    .into());
+                }
+            }
+            let covered = u32::try_from(covered)
+                .map_err(|_| PoolError::Invalid("token count exceeds u32".into()))?;
+            let hash = (hashes.get)(pos)?;
+            stored.push((pos, blk, BlockKey::new(hash, group_id), covered));
+        }
+        let event = if self.events_enabled {
+            let parent = if num_cached == 0 {
+                None
+            } else {
+                Some((hashes.get)(num_cached - 1)?)
+            };
+            let ranges: Vec<(usize, usize)> = stored
+                .iter()
+                .map(|s| (s.0 * block_size, (s.0 + 1) * block_size))
+                .collect();
+            let req = MetaRequest {
+                token_range: (num_cached * block_size, num_full * block_size),
+                block_ranges: &ranges,
+                first_mm_idx: 0,
+            };
+            Some((parent, meta(&req)?))
+        } else {
+            None
+        };
+        for &(_, blk, key, covered) in &stored {
+            if self.has_hash(blk) {
+                self.remove_keys(blk);
+            }
+            self.insert_key(key, blk, covered);
+        }
+        if let Some((parent, meta)) = event {
+            self.events.push(KvEvent::BlockStored {
+                block_hashes: stored.iter().map(|s| s.2.hash).collect(),
+                parent_block_hash: parent,
+                block_size: block_size as u32,
+                group_idx: group_id,
+                meta,
+            });
+        }
+        Ok(())
+    }
+
+    /// Registers a prefix boundary inside an existing block (SPEC POOL-30). `num_hashes` is
+    /// `len(request.block_hashes)` and `hash_at(i)` reads entry `i` of it.
+    ///
+    /// Returns the key, or `None` for the null block.
+    ///
+    /// # Errors
+    /// [`PoolError::InvalidPartial`] when a precondition of POOL-30 fails; nothing changes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cache_partial_block<E: From<PoolError>>(
+        &mut self,
+        block: BlockId,
+        num_tokens: usize,
+        group_id: u32,
+        block_size: usize,
+        num_hashes: usize,
+        hash_at: &mut dyn FnMut(usize) -> Result<BlockHash, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<Option<BlockKey>, E> {
+        self.check_ids(&[block])?;
+        if block == 0 {
+            return Ok(None);
+        }
+        let hbs = self.hash_block_size;
+        let fail = |m: String| -> E { PoolError::InvalidPartial(m).into() };
+        if block_size <= hbs {
+            return Err(fail(format!(
+                "block_size {block_size} must exceed hash_block_size {hbs}"
+            )));
+        }
+        if !block_size.is_multiple_of(hbs) {
+            return Err(PoolError::BlockSizeNotMultiple {
+                block_size,
+                hash_block_size: hbs,
+            }
+            .into());
+        }
+        if num_tokens.is_multiple_of(block_size) {
+            return Err(fail(format!(
+                "num_tokens {num_tokens} is a multiple of block_size {block_size}: not partial"
+            )));
+        }
+        if !num_tokens.is_multiple_of(hbs) {
+            return Err(fail(format!(
+                "num_tokens {num_tokens} is not a multiple of hash_block_size {hbs}"
+            )));
+        }
+        let m = num_tokens / hbs;
+        if m == 0 || m > num_hashes {
+            return Err(fail(format!(
+                "num_tokens {num_tokens} needs {m} block hashes, the request has {num_hashes}"
+            )));
+        }
+        let num_tokens_u32 = u32::try_from(num_tokens)
+            .map_err(|_| PoolError::Invalid("token count exceeds u32".into()))?;
+        let hash = hash_at(m - 1)?;
+        let key = BlockKey::new(hash, group_id);
+        let primary = self.primary_key(block);
+        let already = primary.is_some_and(|(k, _)| k == key) || self.contains(&key, block);
+        let event = if self.events_enabled && !already {
+            let parent = if m > 1 { Some(hash_at(m - 2)?) } else { None };
+            let start = (m - 1) * hbs;
+            let req = MetaRequest {
+                token_range: (start, num_tokens),
+                block_ranges: &[(start, num_tokens)],
+                first_mm_idx: if start > 0 { -1 } else { 0 },
+            };
+            Some((parent, start, meta(&req)?))
+        } else {
+            None
+        };
+        if !already && primary.is_some_and(|(_, have)| have < num_tokens) {
+            self.remove_keys(block);
+        }
+        self.insert_key(key, block, num_tokens_u32);
+        if let Some((parent, start, meta)) = event {
+            self.events.push(KvEvent::BlockStored {
+                block_hashes: vec![hash],
+                parent_block_hash: parent,
+                block_size: (num_tokens - start) as u32,
+                group_idx: group_id,
+                meta,
+            });
+        }
+        Ok(Some(key))
+    }
+
+    /// Drops the prefix-cache keys of the given blocks without touching their reference counts
+    /// or queue positions (SPEC POOL-20).
+    ///
+    /// # Errors
+    /// [`PoolError::BlockOutOfRange`] for any id outside the pool (negative ids included, a
+    /// documented deviation); nothing changes.
+    pub fn evict_blocks(&mut self, ids: &[i64]) -> Result<(), PoolError> {
+        let checked = ids
+            .iter()
+            .map(|&i| self.check_id(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        for b in checked {
+            self.remove_keys(b);
+        }
+        Ok(())
+    }
+
+    /// Clears the prefix cache when no block but the null block is in use (SPEC POOL-21).
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.num_blocks - self.num_free != 1 {
+            return false;
+        }
+        self.index.clear();
+        self.aliases.clear();
+        self.primary_slot.fill(NIL);
+        self.primaries.clear();
+        self.free_slots.clear();
+        if self.events_enabled {
+            self.events.push(KvEvent::AllBlocksCleared);
+        }
+        true
+    }
+
+    /// Hands over the queued events in emission order (SPEC POOL-22).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Number of `ids` that sit in the free queue (`ref_cnt == 0`, not null): the blocks that
+    /// touching them would dequeue (used by SPEC STM-2).
+    pub fn count_evictable(&self, ids: &[BlockId]) -> usize {
+        ids.iter()
+            .filter(|&&b| b != 0 && self.ref_cnt.get(b as usize) == Some(&0))
+            .count()
+    }
+
+    /// Checks every invariant of the pool; returns a description of the first violation.
+    ///
+    /// # Errors
+    /// A message naming the broken invariant.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let n = self.num_blocks;
+        let (head, tail) = (n as u32, n as u32 + 1);
+        if self.prev[head as usize] != NIL || self.next[tail as usize] != NIL {
+            return Err("sentinel links corrupted".into());
+        }
+        let mut count = 0usize;
+        let mut seen = vec![false; n];
+        let mut prev = head;
+        let mut cur = self.next[head as usize];
+        while cur != tail {
+            if cur == NIL || cur as usize >= n {
+                return Err(format!("queue link to invalid block {cur}"));
+            }
+            if seen[cur as usize] {
+                return Err(format!("block {cur} linked twice"));
+            }
+            seen[cur as usize] = true;
+            if self.prev[cur as usize] != prev {
+                return Err(format!("block {cur} has a wrong prev link"));
+            }
+            if cur == 0 {
+                return Err("the null block is queued".into());
+            }
+            if self.ref_cnt[cur as usize] != 0 {
+                return Err(format!(
+                    "queued block {cur} has ref_cnt {}",
+                    self.ref_cnt[cur as usize]
+                ));
+            }
+            count += 1;
+            prev = cur;
+            cur = self.next[cur as usize];
+        }
+        if self.prev[tail as usize] != prev {
+            return Err("tail sentinel's prev link is wrong".into());
+        }
+        if count != self.num_free {
+            return Err(format!("free count {} but {count} queued", self.num_free));
+        }
+        for (b, &queued) in seen.iter().enumerate().skip(1) {
+            let rc = self.ref_cnt[b];
+            if rc < 0 {
+                return Err(format!("block {b} has negative ref_cnt {rc}"));
+            }
+            if rc == 0 && !queued {
+                return Err(format!("block {b} has ref_cnt 0 but is not queued"));
+            }
+            if !queued && (self.prev[b] != NIL || self.next[b] != NIL) {
+                return Err(format!("block {b} has stale queue links"));
+            }
+        }
+        // Index <-> block keys.
+        let mut held = 0usize;
+        for b in 0..n as u32 {
+            let primary = self.primary_key(b).map(|(k, _)| k);
+            let aliases = self.alias_keys(b);
+            if primary.is_none() && !aliases.is_empty() {
+                return Err(format!("block {b} has aliases but no primary key"));
+            }
+            if b == 0 && primary.is_some() {
+                return Err("the null block holds a key".into());
+            }
+            for key in primary.iter().chain(aliases.iter()) {
+                match self.index.get(key) {
+                    Some(e) if e.ids().iter().filter(|&&x| x == b).count() == 1 => held += 1,
+                    _ => {
+                        return Err(format!(
+                            "block {b} holds a key the index does not list once"
+                        ))
+                    }
+                }
+            }
+        }
+        let listed: usize = self.index.values().map(|e| e.ids().len()).sum();
+        if listed != held {
+            return Err(format!(
+                "index lists {listed} (key, block) pairs, blocks hold {held}"
+            ));
+        }
+        for e in self.index.values() {
+            if let Entry::Many(v) = e {
+                if v.is_empty() {
+                    return Err("empty index entry".into());
+                }
+            }
+        }
+        let live_slots = self.primary_slot.iter().filter(|&&s| s != NIL).count();
+        if live_slots + self.free_slots.len() != self.primaries.len() {
+            return Err("primary key slab out of balance".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,14 +1,172 @@
 //! The one place where core errors become Python exceptions.
 //!
-//! Every exception kvcore raises derives from both `kvcore.KvcoreError` and the built-in class
-//! a caller of the reference would catch (`ValueError`, `AssertionError`, `IndexError`...).
+//! Every exception kvcore raises derives from `kvcore.KvcoreError` and from each built-in class
+//! a caller of the reference would catch for the same misuse (SPEC conventions): for example a
+//! violated precondition that the reference `assert`s is both a `ValueError` and an
+//! `AssertionError`. The classes are created once, at module initialisation, because PyO3's
+//! `create_exception!` supports a single base only.
 
-use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use kvcore_core::PoolError;
+use pyo3::exceptions::PyAssertionError;
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
-create_exception!(
-    kvcore._native,
-    KvcoreError,
-    PyException,
-    "Base class of every exception kvcore raises."
-);
+/// The exception classes of `kvcore._native`.
+struct Classes {
+    base: Py<PyType>,
+    block_id: Py<PyType>,
+    no_free_blocks: Py<PyType>,
+    double_free: Py<PyType>,
+    block_state: Py<PyType>,
+    invalid_argument: Py<PyType>,
+}
+
+static CLASSES: GILOnceCell<Classes> = GILOnceCell::new();
+
+/// (name, builtin bases after `KvcoreError`, docstring)
+const SPECS: [(&str, &[&str], &str); 5] = [
+    (
+        "BlockIdError",
+        &["IndexError", "AssertionError"],
+        "A block id outside the pool.",
+    ),
+    (
+        "NoFreeBlocksError",
+        &["ValueError"],
+        "More blocks were asked for than are free (SPEC POOL-5).",
+    ),
+    (
+        "DoubleFreeError",
+        &["ValueError"],
+        "A block was freed more often than it was referenced.",
+    ),
+    (
+        "BlockStateError",
+        &["RuntimeError"],
+        "A block is in a state the operation cannot accept (SPEC POOL-9).",
+    ),
+    (
+        "InvalidArgumentError",
+        &["ValueError", "AssertionError"],
+        "An argument violates a precondition the reference asserts.",
+    ),
+];
+
+fn make_class<'py>(
+    py: Python<'py>,
+    name: &str,
+    bases: Vec<Bound<'py, PyAny>>,
+    doc: &str,
+) -> PyResult<Py<PyType>> {
+    let ns = PyDict::new(py);
+    ns.set_item("__module__", "kvcore._native")?;
+    ns.set_item("__doc__", doc)?;
+    let ty = py
+        .import("builtins")?
+        .getattr("type")?
+        .call1((name, PyTuple::new(py, bases)?, ns))?;
+    Ok(ty.downcast_into::<PyType>()?.unbind())
+}
+
+/// Creates the exception classes and adds them to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let builtins = py.import("builtins")?;
+    let base = make_class(
+        py,
+        "KvcoreError",
+        vec![builtins.getattr("Exception")?],
+        "Base class of every exception kvcore raises.",
+    )?;
+    let mut made = Vec::new();
+    for (name, extra, doc) in SPECS {
+        let mut bases = vec![base.bind(py).clone().into_any()];
+        for b in extra {
+            bases.push(builtins.getattr(*b)?);
+        }
+        made.push(make_class(py, name, bases, doc)?);
+    }
+    m.add("KvcoreError", base.bind(py))?;
+    for ((name, _, _), ty) in SPECS.iter().zip(&made) {
+        m.add(*name, ty.bind(py))?;
+    }
+    let mut it = made.into_iter();
+    let mut next = || it.next().expect("SPECS has five entries");
+    let classes = Classes {
+        base,
+        block_id: next(),
+        no_free_blocks: next(),
+        double_free: next(),
+        block_state: next(),
+        invalid_argument: next(),
+    };
+    // A second initialisation of the module (sub-interpreters) keeps the first classes.
+    let _ = CLASSES.set(py, classes);
+    Ok(())
+}
+
+/// An error from the core or from Python, for closures the core calls back.
+pub enum Error {
+    /// A core error, mapped by [`to_pyerr`].
+    Pool(PoolError),
+    /// A Python exception raised while reading arguments.
+    Py(PyErr),
+}
+
+impl From<PoolError> for Error {
+    fn from(e: PoolError) -> Self {
+        Self::Pool(e)
+    }
+}
+
+impl From<PyErr> for Error {
+    fn from(e: PyErr) -> Self {
+        Self::Py(e)
+    }
+}
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        match e {
+            Error::Pool(p) => to_pyerr(p),
+            Error::Py(p) => p,
+        }
+    }
+}
+
+/// Maps a core error onto its exception class.
+pub fn to_pyerr(e: PoolError) -> PyErr {
+    Python::with_gil(|py| {
+        let Some(c) = CLASSES.get(py) else {
+            return PyAssertionError::new_err(e.to_string());
+        };
+        let ty = match &e {
+            PoolError::BlockOutOfRange { .. } => &c.block_id,
+            PoolError::NotEnoughFreeBlocks { .. } => &c.no_free_blocks,
+            PoolError::DoubleFree(_) => &c.double_free,
+            PoolError::NotFreeNorReferenced(_) => &c.block_state,
+            PoolError::InvalidPoolSize(_)
+            | PoolError::NegativeCount(_)
+            | PoolError::MaskLength { .. }
+            | PoolError::NotEnoughHashes { .. }
+            | PoolError::BlockSizeNotMultiple { .. }
+            | PoolError::NotAPromotion { .. }
+            | PoolError::InvalidPartial(_)
+            | PoolError::InvalidHash(_)
+            | PoolError::Invalid(_) => &c.invalid_argument,
+        };
+        PyErr::from_type(ty.bind(py).clone(), e.to_string())
+    })
+}
+
+/// Raises `InvalidArgumentError` with a message.
+pub fn invalid(msg: impl Into<String>) -> PyErr {
+    to_pyerr(PoolError::Invalid(msg.into()))
+}
+
+/// The base class `KvcoreError`, for other binding modules.
+#[allow(dead_code)]
+pub fn base_class(py: Python<'_>) -> Option<Bound<'_, PyType>> {
+    CLASSES.get(py).map(|c| c.base.bind(py).clone())
+}

@@ -110,3 +110,31 @@ pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>) -> PyResult<Py<PyList>
     }
     Ok(out.unbind())
 }
+
+/// Converts a Python extra-key value (None, int, str, bytes, tuple or list of those) into a
+/// core [`Value`].
+pub fn py_to_value(obj: &Bound<'_, PyAny>) -> PyResult<Value> {
+    use pyo3::types::{PyInt, PyString};
+    if obj.is_none() {
+        Ok(Value::None)
+    } else if let Ok(s) = obj.downcast::<PyString>() {
+        Ok(Value::Str(s.to_str()?.to_owned()))
+    } else if let Ok(b) = obj.downcast::<PyBytes>() {
+        Ok(Value::Bytes(b.as_bytes().to_vec()))
+    } else if obj.is_instance_of::<PyInt>() {
+        Ok(Value::Int(obj.extract::<i64>()?))
+    } else if let Ok(t) = obj.downcast::<PyTuple>() {
+        Ok(Value::Tuple(
+            t.iter().map(|x| py_to_value(&x)).collect::<PyResult<_>>()?,
+        ))
+    } else if let Ok(l) = obj.downcast::<PyList>() {
+        Ok(Value::Tuple(
+            l.iter().map(|x| py_to_value(&x)).collect::<PyResult<_>>()?,
+        ))
+    } else {
+        Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "unsupported extra-key value of type {}",
+            obj.get_type().name()?
+        )))
+    }
+}

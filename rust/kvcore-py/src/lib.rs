@@ -8,6 +8,8 @@ use pyo3::prelude::*;
 
 mod errors;
 mod events;
+mod manager;
+mod pool;
 
 /// The extension module.
 #[pymodule]
@@ -15,11 +17,14 @@ mod _native {
     use pyo3::prelude::*;
 
     #[pymodule_export]
-    use super::errors::KvcoreError;
+    use super::pool::{BlockList, KVCacheBlockView, PyBlockPool};
+
+    #[pymodule_export]
+    use super::manager::PyUnitaryFullAttention;
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        Ok(())
+        super::errors::register(m)
     }
 }

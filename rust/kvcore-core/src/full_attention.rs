@@ -1,0 +1,551 @@
+//! Per-request block tables of one full-attention KV-cache group and the request-level
+//! allocation of a model with that single group: the scheduler's per-step hot path in one call.
+//!
+//! [`FullAttentionTables`] is the state of the reference's full-attention single-type manager
+//! (SPEC §10–11: `req_to_blocks`, `num_cached_block`, recorded new block ids) with its
+//! operations. [`UnitaryFullAttention`] adds the request-facing `allocate_slots` and hit search
+//! of a manager whose only group is full attention (SPEC §8.1, COORD-7, FA-1), so a scheduler
+//! step costs one boundary crossing per request.
+//!
+//! Request ids are strings, as in the reference. Nothing here knows about Python.
+
+use hashbrown::HashMap;
+
+use crate::error::PoolError;
+use crate::events::{MetaRequest, StoredMeta};
+use crate::hash::BlockHash;
+use crate::pool::{BlockId, BlockPool, HashSource};
+
+#[inline]
+fn cdiv(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+/// One request's state in a group: its blocks and, once it runs, how many leading blocks the
+/// cache has processed (`None` = not in `num_cached_block`).
+#[derive(Debug, Clone, Default)]
+pub struct RequestBlocks {
+    /// The block table, in allocation order.
+    pub blocks: Vec<BlockId>,
+    /// Leading blocks already processed by caching; `Some` means the request is running.
+    pub num_cached: Option<usize>,
+}
+
+/// The block tables of one full-attention group (SPEC STM-1..10, FA-1, FA-2).
+#[derive(Debug, Clone)]
+pub struct FullAttentionTables {
+    block_size: usize,
+    group_id: u32,
+    record_new_ids: bool,
+    reqs: HashMap<String, RequestBlocks>,
+    new_block_ids: Vec<BlockId>,
+}
+
+impl FullAttentionTables {
+    /// Tables for group `group_id` with `block_size` tokens per block (already scaled by the
+    /// context-parallel world sizes). `record_new_ids` is SPEC MGR-29's exact-type test.
+    pub fn new(block_size: usize, group_id: u32, record_new_ids: bool) -> Self {
+        Self {
+            block_size,
+            group_id,
+            record_new_ids,
+            reqs: HashMap::new(),
+            new_block_ids: Vec::new(),
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The request's blocks (empty when unknown).
+    pub fn blocks(&self, id: &str) -> &[BlockId] {
+        self.reqs.get(id).map_or(&[], |r| r.blocks.as_slice())
+    }
+
+    /// The request's state, if it has an entry.
+    pub fn get(&self, id: &str) -> Option<&RequestBlocks> {
+        self.reqs.get(id)
+    }
+
+    /// Number of requests with an entry (the reference's `len(req_to_blocks)`).
+    pub fn num_entries(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Whether the request is running (has a `num_cached_block` entry).
+    pub fn is_running(&self, id: &str) -> bool {
+        self.reqs.get(id).is_some_and(|r| r.num_cached.is_some())
+    }
+
+    fn entry(&mut self, id: &str) -> &mut RequestBlocks {
+        if !self.reqs.contains_key(id) {
+            self.reqs.insert(id.to_owned(), RequestBlocks::default());
+        }
+        self.reqs.get_mut(id).expect("inserted above")
+    }
+
+    /// SPEC STM-2 for full attention (no skipped tokens, no cap).
+    ///
+    /// # Errors
+    /// [`PoolError::Invalid`] when a running request is given prefix hits.
+    pub fn get_num_blocks_to_allocate(
+        &self,
+        pool: &BlockPool,
+        id: &str,
+        num_tokens: usize,
+        hits: &[BlockId],
+    ) -> Result<usize, PoolError> {
+        let required = cdiv(num_tokens, self.block_size);
+        let (have, running) = self
+            .reqs
+            .get(id)
+            .map_or((0, false), |r| (r.blocks.len(), r.num_cached.is_some()));
+        if running {
+            if !hits.is_empty() {
+                return Err(PoolError::Invalid(format!(
+                    "request {id} is already running and cannot take prefix-cache hits"
+                )));
+            }
+            return Ok(required.saturating_sub(have));
+        }
+        let new = required.saturating_sub(hits.len() + have);
+        Ok(new + pool.count_evictable(hits))
+    }
+
+    /// SPEC STM-4: the request's table becomes its (touched) hits.
+    ///
+    /// # Errors
+    /// When the request already has blocks, or hits are given with caching off; nothing changes.
+    pub fn add_local_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        hits: &[BlockId],
+    ) -> Result<(), PoolError> {
+        if !self.blocks(id).is_empty() {
+            return Err(PoolError::Invalid(format!(
+                "request {id} already holds blocks; prefix hits can only start a request"
+            )));
+        }
+        if pool.enable_caching() {
+            pool.touch(hits)?;
+        } else if !hits.is_empty() {
+            return Err(PoolError::Invalid(
+                "prefix-cache hits given while prefix caching is disabled".into(),
+            ));
+        }
+        let e = self.entry(id);
+        e.blocks.extend_from_slice(hits);
+        e.num_cached = Some(e.blocks.len());
+        Ok(())
+    }
+
+    /// SPEC STM-5 for full attention: blocks for externally computed tokens.
+    ///
+    /// # Errors
+    /// When the pool cannot provide the blocks; nothing changes.
+    pub fn allocate_external_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        num_local: usize,
+        num_external: usize,
+    ) -> Result<(), PoolError> {
+        if num_external == 0 {
+            return Ok(());
+        }
+        let want = cdiv(num_local + num_external, self.block_size);
+        self.grow_to(pool, id, want)
+    }
+
+    /// Grows the request's table to `want` blocks (SPEC STM-3's core), recording new ids.
+    fn grow_to(&mut self, pool: &mut BlockPool, id: &str, want: usize) -> Result<(), PoolError> {
+        let record = self.record_new_ids;
+        let e = self.reqs.entry_ref(id).or_default();
+        let have = e.blocks.len();
+        if want <= have {
+            return Ok(());
+        }
+        pool.get_new_blocks_into(want - have, &mut e.blocks)?;
+        if record {
+            self.new_block_ids.extend_from_slice(&e.blocks[have..]);
+        }
+        Ok(())
+    }
+
+    /// SPEC STM-3: allocates so the request has slots for `num_tokens` tokens; returns the new
+    /// blocks as a range of its table.
+    ///
+    /// # Errors
+    /// When the pool cannot provide the blocks; nothing changes.
+    pub fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        num_tokens: usize,
+    ) -> Result<std::ops::Range<usize>, PoolError> {
+        let want = cdiv(num_tokens, self.block_size);
+        let have = self.entry(id).blocks.len();
+        self.grow_to(pool, id, want)?;
+        Ok(have..have.max(want))
+    }
+
+    /// SPEC STM-6: stores the request's newly full blocks in the prefix cache.
+    ///
+    /// # Errors
+    /// Errors of [`BlockPool::cache_full_blocks`]; nothing changes.
+    pub fn cache_blocks<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        num_tokens: usize,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<(), E> {
+        let cached = self.reqs.get(id).and_then(|r| r.num_cached).unwrap_or(0);
+        let full = num_tokens / self.block_size;
+        if cached >= full {
+            return Ok(());
+        }
+        let (bs, gid) = (self.block_size, self.group_id);
+        let e = self.entry(id);
+        let new = e.blocks.get(cached..full).ok_or_else(|| {
+            PoolError::Invalid(format!(
+                "request {id} holds {} blocks, fewer than the {full} full ones",
+                e.blocks.len()
+            ))
+        })?;
+        pool.cache_full_blocks(new, cached, full, bs, gid, None, hashes, meta)?;
+        e.num_cached = Some(full);
+        Ok(())
+    }
+
+    /// SPEC STM-10: removes the request's state and returns its blocks in allocation order.
+    pub fn pop(&mut self, id: &str) -> Vec<BlockId> {
+        self.reqs.remove(id).map(|r| r.blocks).unwrap_or_default()
+    }
+
+    /// SPEC MGR-20: frees the request's blocks, last block first. Unknown ids do nothing.
+    ///
+    /// # Errors
+    /// Only if the pool's counts were corrupted from outside; the state is then unchanged.
+    pub fn free(&mut self, pool: &mut BlockPool, id: &str) -> Result<(), PoolError> {
+        let Some(r) = self.reqs.get(id) else {
+            return Ok(());
+        };
+        pool.free_blocks_iter(r.blocks.iter().rev().copied())?;
+        self.reqs.remove(id);
+        Ok(())
+    }
+
+    /// SPEC FA-2: the request's leading blocks shared by every request with an entry. Like the
+    /// reference, asking about an unknown id creates an empty entry.
+    pub fn get_num_common_prefix_blocks(&mut self, pool: &BlockPool, id: &str) -> usize {
+        self.entry(id);
+        let n = self.reqs.len() as i64;
+        self.blocks(id)
+            .iter()
+            .take_while(|&&b| i64::from(pool.ref_cnt(b)) == n)
+            .count()
+    }
+
+    /// SPEC STM-10: drains the recorded new block ids.
+    pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.new_block_ids)
+    }
+
+    /// Every request id with an entry.
+    pub fn request_ids(&self) -> impl Iterator<Item = &str> {
+        self.reqs.keys().map(String::as_str)
+    }
+}
+
+/// What `allocate_slots` reads from the request (SPEC REQ-1).
+#[derive(Debug, Clone, Copy)]
+pub struct RequestView<'a> {
+    /// `request.request_id`.
+    pub id: &'a str,
+    /// `request.num_computed_tokens`.
+    pub num_computed_tokens: usize,
+    /// `request.num_tokens`.
+    pub num_tokens: usize,
+    /// Whether `request.status` is WAITING or PREEMPTED (ALLOC-3).
+    pub waiting_or_preempted: bool,
+}
+
+/// The arguments of `allocate_slots` (SPEC §8.1).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AllocateArgs<'a> {
+    /// Tokens to compute this step.
+    pub num_new_tokens: usize,
+    /// New prefix-cache hit tokens.
+    pub num_new_computed_tokens: usize,
+    /// The hit blocks; `None` when the caller passed no hits object or the shared empty one
+    /// (ALLOC-8's identity test).
+    pub new_computed_blocks: Option<&'a [BlockId]>,
+    /// Speculative slots.
+    pub num_lookahead_tokens: usize,
+    /// Tokens computed by a KV connector.
+    pub num_external_computed_tokens: usize,
+    /// Skip caching this step.
+    pub delay_cache_blocks: bool,
+    /// Admission gate on the whole sequence.
+    pub full_sequence_must_fit: bool,
+    /// Free blocks to leave for others.
+    pub reserved_blocks: i64,
+    /// Whether other requests are scheduled this step.
+    pub has_scheduled_reqs: bool,
+}
+
+/// A manager whose only KV-cache group is full attention (SPEC COORD-7 with §8).
+#[derive(Debug, Clone)]
+pub struct UnitaryFullAttention {
+    /// The group's tables.
+    pub tables: FullAttentionTables,
+    max_model_len: usize,
+    watermark_blocks: usize,
+    use_eagle: bool,
+}
+
+impl UnitaryFullAttention {
+    /// Builds the manager state. With caching on the block size must equal the pool's hash
+    /// block size (COORD-7).
+    ///
+    /// # Errors
+    /// [`PoolError::Invalid`] when the sizes disagree.
+    pub fn new(
+        pool: &BlockPool,
+        block_size: usize,
+        record_new_ids: bool,
+        max_model_len: usize,
+        watermark_blocks: usize,
+        use_eagle: bool,
+    ) -> Result<Self, PoolError> {
+        if block_size == 0 {
+            return Err(PoolError::Invalid("block_size must be positive".into()));
+        }
+        if pool.enable_caching() && block_size != pool.hash_block_size() {
+            return Err(PoolError::Invalid(format!(
+                "block_size {block_size} must equal hash_block_size {} for a single group",
+                pool.hash_block_size()
+            )));
+        }
+        Ok(Self {
+            tables: FullAttentionTables::new(block_size, 0, record_new_ids),
+            max_model_len,
+            watermark_blocks,
+            use_eagle,
+        })
+    }
+
+    /// Whether hits drop their last block (SPEC EAGLE-1).
+    pub fn use_eagle(&self) -> bool {
+        self.use_eagle
+    }
+
+    /// SPEC MGR-7 / FA-1: the cached prefix of `hashes` usable by a request of `num_tokens`
+    /// tokens (one token less is searchable). Returns the hit blocks.
+    pub fn find_longest_cache_hit(
+        &self,
+        pool: &BlockPool,
+        hashes: impl IntoIterator<Item = BlockHash>,
+        num_tokens: usize,
+    ) -> Vec<BlockId> {
+        let max_blocks = num_tokens.saturating_sub(1) / self.tables.block_size;
+        let mut hit = pool
+            .longest_cached_prefix(hashes.into_iter().take(max_blocks), &[0])
+            .pop()
+            .unwrap_or_default();
+        if self.use_eagle && !hit.is_empty() {
+            hit.pop();
+        }
+        hit
+    }
+
+    /// SPEC ALLOC-1..12: returns the range of newly allocated blocks in the request's table, or
+    /// `None` when they do not fit. `hashes`/`meta` feed ALLOC-11's caching.
+    ///
+    /// # Errors
+    /// Bad arguments (ALLOC-1, hits for a running request) before any change.
+    pub fn allocate_slots<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        req: RequestView<'_>,
+        args: AllocateArgs<'_>,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<Option<std::ops::Range<usize>>, E> {
+        let ext = args.num_external_computed_tokens;
+        if args.num_new_tokens == 0 && ext == 0 {
+            return Err(PoolError::Invalid(
+                "num_new_tokens must be greater than 0 when there are no external computed tokens"
+                    .into(),
+            )
+            .into());
+        }
+        let hits = args.new_computed_blocks.unwrap_or(&[]);
+        let local = req.num_computed_tokens + args.num_new_computed_tokens;
+        let total = (local + ext).min(self.max_model_len);
+        let wm = if args.has_scheduled_reqs && req.waiting_or_preempted {
+            self.watermark_blocks as i64
+        } else {
+            0
+        };
+        let free = pool.get_num_free_blocks() as i64;
+        if args.full_sequence_must_fit {
+            let full = req.num_tokens.min(self.max_model_len);
+            let need = self
+                .tables
+                .get_num_blocks_to_allocate(pool, req.id, full, hits)?;
+            if need as i64 + wm > free {
+                return Ok(None);
+            }
+        }
+        let main = total + args.num_new_tokens;
+        let need_slot = (main + args.num_lookahead_tokens).min(self.max_model_len);
+        // ALLOC-6: full attention skips nothing.
+        let need = self
+            .tables
+            .get_num_blocks_to_allocate(pool, req.id, need_slot, hits)?;
+        if need as i64 + wm > free - args.reserved_blocks {
+            return Ok(None);
+        }
+        if args.new_computed_blocks.is_some() || ext > 0 {
+            // COORD-5: a running request takes no hits (checked above) and is left alone.
+            if !self.tables.is_running(req.id) {
+                self.tables.add_local_computed_blocks(pool, req.id, hits)?;
+                self.tables
+                    .allocate_external_computed_blocks(pool, req.id, local, ext)?;
+            } else if !hits.is_empty() {
+                return Err(PoolError::Invalid("hits for a running request".into()).into());
+            }
+        }
+        let range = self.tables.allocate_new_blocks(pool, req.id, need_slot)?;
+        if pool.enable_caching() && !args.delay_cache_blocks {
+            let n = (total + args.num_new_tokens).min(req.num_tokens);
+            self.tables.cache_blocks(pool, req.id, n, hashes, meta)?;
+        }
+        Ok(Some(range))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(x: u8) -> BlockHash {
+        BlockHash::from_slice(&[x; 32]).unwrap()
+    }
+
+    fn req(id: &str, computed: usize, tokens: usize) -> RequestView<'_> {
+        RequestView {
+            id,
+            num_computed_tokens: computed,
+            num_tokens: tokens,
+            waiting_or_preempted: true,
+        }
+    }
+
+    fn alloc(
+        m: &mut UnitaryFullAttention,
+        p: &mut BlockPool,
+        r: RequestView<'_>,
+        args: AllocateArgs<'_>,
+        hashes: &[BlockHash],
+    ) -> Option<Vec<BlockId>> {
+        let mut get = |i: usize| -> Result<BlockHash, PoolError> { Ok(hashes[i]) };
+        let range = m
+            .allocate_slots(
+                p,
+                r,
+                args,
+                HashSource {
+                    len: hashes.len(),
+                    get: &mut get,
+                },
+                &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+            )
+            .unwrap()?;
+        Some(m.tables.blocks(r.id)[range].to_vec())
+    }
+
+    /// SPEC §19 S1 at the core level.
+    #[test]
+    fn scenario_s1_prefix_reuse_and_free_order() {
+        let mut p = BlockPool::new(10, true, 16, true).unwrap();
+        let mut m = UnitaryFullAttention::new(&p, 16, true, 1024, 0, false).unwrap();
+        let hashes = [h(1), h(2)];
+        let args = |n| AllocateArgs {
+            num_new_tokens: n,
+            has_scheduled_reqs: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            alloc(&mut m, &mut p, req("r1", 0, 40), args(40), &hashes),
+            Some(vec![1, 2, 3])
+        );
+        assert_eq!(m.tables.take_new_block_ids(), vec![1, 2, 3]);
+        m.tables.free(&mut p, "r1").unwrap();
+        assert_eq!(p.all_free_block_ids(), vec![3, 4, 5, 6, 7, 8, 9, 2, 1]);
+        let hit = m.find_longest_cache_hit(&p, hashes, 40);
+        assert_eq!(hit, vec![1, 2]);
+        let a = AllocateArgs {
+            num_new_tokens: 8,
+            num_new_computed_tokens: 32,
+            new_computed_blocks: Some(&hit),
+            has_scheduled_reqs: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            alloc(&mut m, &mut p, req("r2", 0, 40), a, &hashes),
+            Some(vec![3])
+        );
+        assert_eq!(m.tables.blocks("r2"), &[1, 2, 3]);
+        // MGR-7: a fully cached 32-token prompt hits only 16.
+        let hit3 = m.find_longest_cache_hit(&p, hashes, 32);
+        assert_eq!(hit3, vec![1]);
+        let a3 = AllocateArgs {
+            num_new_tokens: 16,
+            num_new_computed_tokens: 16,
+            new_computed_blocks: Some(&hit3),
+            has_scheduled_reqs: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            alloc(&mut m, &mut p, req("r3", 0, 32), a3, &hashes),
+            Some(vec![4])
+        );
+        assert_eq!(m.tables.get_num_common_prefix_blocks(&p, "r2"), 1);
+        m.tables.free(&mut p, "r2").unwrap();
+        m.tables.free(&mut p, "r3").unwrap();
+        assert_eq!(p.all_free_block_ids(), vec![3, 5, 6, 7, 8, 9, 2, 4, 1]);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn alloc_1_zero_tokens_rejected_and_capacity_none() {
+        let mut p = BlockPool::new(5, true, 16, false).unwrap();
+        let mut m = UnitaryFullAttention::new(&p, 16, true, 1024, 0, false).unwrap();
+        let mut get = |_: usize| -> Result<BlockHash, PoolError> { Ok(h(0)) };
+        let r = m.allocate_slots(
+            &mut p,
+            req("x", 0, 10),
+            AllocateArgs::default(),
+            HashSource {
+                len: 0,
+                get: &mut get,
+            },
+            &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+        );
+        assert!(r.is_err());
+        let args = AllocateArgs {
+            num_new_tokens: 100,
+            ..Default::default()
+        };
+        assert_eq!(alloc(&mut m, &mut p, req("x", 0, 100), args, &[]), None);
+        assert_eq!(p.get_num_free_blocks(), 4);
+        assert!(m.tables.get("x").is_none());
+    }
+}

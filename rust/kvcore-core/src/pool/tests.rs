@@ -1,0 +1,424 @@
+//! Unit and model tests of the block pool. Rule ids refer to SPEC.md.
+
+use super::*;
+use crate::events::MetaRequest;
+use proptest::prelude::*;
+
+fn h(x: u8) -> BlockHash {
+    BlockHash::from_slice(&[x; 32]).unwrap()
+}
+
+fn pool(n: i64) -> BlockPool {
+    BlockPool::new(n, true, 16, true).unwrap()
+}
+
+fn cache(p: &mut BlockPool, blocks: &[u32], hashes: &[BlockHash], num_cached: usize, gid: u32) {
+    let mut get = |i: usize| -> Result<BlockHash, PoolError> { Ok(hashes[i]) };
+    p.cache_full_blocks(
+        &blocks[num_cached..],
+        num_cached,
+        blocks.len(),
+        16,
+        gid,
+        None,
+        HashSource {
+            len: hashes.len(),
+            get: &mut get,
+        },
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+    )
+    .unwrap();
+}
+
+#[test]
+fn pool_1_construction() {
+    let p = pool(5);
+    assert_eq!(p.all_free_block_ids(), vec![1, 2, 3, 4]);
+    assert_eq!(p.get_num_free_blocks(), 4);
+    assert_eq!(p.get_usage(), Some(0.0));
+    assert!(BlockPool::new(0, true, 16, false).is_err());
+    assert!(BlockPool::new(-3, true, 16, false).is_err());
+    let one = BlockPool::new(1, true, 16, false).unwrap();
+    assert_eq!(one.get_usage(), None);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_5_get_new_blocks() {
+    let mut p = pool(5);
+    assert_eq!(p.get_new_blocks(0).unwrap(), Vec::<u32>::new());
+    assert_eq!(p.get_new_blocks(2).unwrap(), vec![1, 2]);
+    assert_eq!(p.ref_cnt(1), 1);
+    let before = p.clone();
+    assert!(matches!(
+        p.get_new_blocks(3),
+        Err(PoolError::NotEnoughFreeBlocks {
+            requested: 3,
+            free: 2
+        })
+    ));
+    assert_eq!(p.all_free_block_ids(), before.all_free_block_ids());
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_10_free_order_unhashed_front_hashed_back() {
+    let mut p = pool(10);
+    let a = p.get_new_blocks(3).unwrap(); // 1 2 3
+    cache(&mut p, &a[..2], &[h(1), h(2)], 0, 0);
+    // Free in reverse (POOL-12): 3 (unhashed) goes to the front, 2 then 1 to the back.
+    let rev: Vec<u32> = a.iter().rev().copied().collect();
+    p.free_blocks(&rev).unwrap();
+    assert_eq!(p.all_free_block_ids(), vec![3, 4, 5, 6, 7, 8, 9, 2, 1]);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_9_touch_dequeues_and_counts() {
+    let mut p = pool(6);
+    p.touch(&[3, 3]).unwrap();
+    assert_eq!(p.ref_cnt(3), 2);
+    assert_eq!(p.all_free_block_ids(), vec![1, 2, 4, 5]);
+    p.touch(&[0]).unwrap();
+    assert_eq!(p.ref_cnt(0), 1);
+    p.free_blocks(&[0, 0]).unwrap();
+    assert_eq!(p.ref_cnt(0), -1, "BLK-3: the null block's count drifts");
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn double_free_is_rejected_without_change() {
+    let mut p = pool(6);
+    let b = p.get_new_blocks(2).unwrap();
+    let snapshot = (p.all_free_block_ids(), p.ref_cnt(1), p.ref_cnt(2));
+    assert_eq!(p.free_blocks(&[1, 2, 1]), Err(PoolError::DoubleFree(1)));
+    assert_eq!(
+        snapshot,
+        (p.all_free_block_ids(), p.ref_cnt(1), p.ref_cnt(2))
+    );
+    p.free_blocks(&b).unwrap();
+    assert_eq!(p.free_blocks(&[1]), Err(PoolError::DoubleFree(1)));
+    assert!(matches!(
+        p.free_blocks(&[99]),
+        Err(PoolError::BlockOutOfRange { .. })
+    ));
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_6_eviction_emits_removed() {
+    let mut p = pool(4);
+    let a = p.get_new_blocks(2).unwrap();
+    cache(&mut p, &a, &[h(1), h(2)], 0, 0);
+    assert!(matches!(p.take_events()[0], KvEvent::BlockStored { .. }));
+    p.free_blocks(&[2, 1]).unwrap();
+    assert_eq!(p.all_free_block_ids(), vec![3, 2, 1]);
+    let got = p.get_new_blocks(3).unwrap();
+    assert_eq!(got, vec![3, 2, 1]);
+    let ev = p.take_events();
+    assert_eq!(
+        ev,
+        vec![
+            KvEvent::BlockRemoved {
+                block_hash: h(2),
+                group_idx: 0
+            },
+            KvEvent::BlockRemoved {
+                block_hash: h(1),
+                group_idx: 0
+            },
+        ]
+    );
+    assert_eq!(p.num_cached_keys(), 0);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn map_1_duplicates_and_map_2_earliest() {
+    let mut p = pool(10);
+    let a = p.get_new_blocks(2).unwrap();
+    let b = p.get_new_blocks(2).unwrap();
+    cache(&mut p, &a, &[h(1), h(2)], 0, 0);
+    cache(&mut p, &b, &[h(1), h(2)], 0, 0);
+    assert_eq!(p.get_cached_block(&h(2), &[0]), Some(vec![2]));
+    assert_eq!(p.num_cached_keys(), 2);
+    p.free_blocks(&[2, 1]).unwrap();
+    p.free_blocks(&[4, 3]).unwrap();
+    // S3: evicting block 2 leaves block 4 under the key.
+    p.get_new_blocks(6).unwrap();
+    assert_eq!(p.get_cached_block(&h(2), &[0]), Some(vec![4]));
+    assert_eq!(
+        p.longest_cached_prefix([h(1), h(2), h(3)], &[0]),
+        vec![vec![1, 4]]
+    );
+    assert_eq!(p.get_cached_block(&h(1), &[0, 1]), None);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_16_promotion_check() {
+    let mut p = pool(6);
+    let a = p.get_new_blocks(1).unwrap();
+    cache(&mut p, &a, &[h(1)], 0, 0);
+    let mut get = |_: usize| -> Result<BlockHash, PoolError> { Ok(h(9)) };
+    let err = p.cache_full_blocks(
+        &a,
+        0,
+        1,
+        16,
+        0,
+        None,
+        HashSource {
+            len: 1,
+            get: &mut get,
+        },
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+    );
+    assert!(matches!(err, Err(PoolError::NotAPromotion { .. })));
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_30_partial_then_promotion() {
+    let mut p = BlockPool::new(6, true, 16, true).unwrap();
+    let a = p.get_new_blocks(1).unwrap();
+    let fine = [h(1), h(2), h(3), h(4)];
+    let mut at = |i: usize| -> Result<BlockHash, PoolError> { Ok(fine[i]) };
+    let key = p
+        .cache_partial_block(a[0], 32, 0, 64, 2, &mut at, &mut |_: &MetaRequest<'_>| {
+            Ok(StoredMeta::default())
+        })
+        .unwrap()
+        .unwrap();
+    assert_eq!(key, BlockKey::new(h(2), 0));
+    assert_eq!(p.primary_key(a[0]).map(|(_, n)| n), Some(32));
+    // Partial 48 supersedes 32 (fewer tokens): old key removed, new one inserted.
+    p.cache_partial_block(a[0], 48, 0, 64, 3, &mut at, &mut |_: &MetaRequest<'_>| {
+        Ok(StoredMeta::default())
+    })
+    .unwrap();
+    assert_eq!(p.get_cached_block(&h(2), &[0]), None);
+    assert_eq!(p.get_cached_block(&h(3), &[0]), Some(vec![a[0]]));
+    // Full promotion at 64 tokens with the HBS view (entry 0 is fine hash 3).
+    let mut get = |_: usize| -> Result<BlockHash, PoolError> { Ok(h(4)) };
+    p.cache_full_blocks(
+        &a,
+        0,
+        1,
+        64,
+        0,
+        None,
+        HashSource {
+            len: 1,
+            get: &mut get,
+        },
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+    )
+    .unwrap();
+    assert_eq!(p.get_cached_block(&h(3), &[0]), None);
+    assert_eq!(p.get_cached_block(&h(4), &[0]), Some(vec![a[0]]));
+    let removed = p
+        .take_events()
+        .iter()
+        .filter(|e| matches!(e, KvEvent::BlockRemoved { .. }))
+        .count();
+    assert_eq!(removed, 2);
+    // Invalid partials leave the pool alone.
+    assert!(p
+        .cache_partial_block(a[0], 64, 0, 64, 4, &mut at, &mut |_: &MetaRequest<'_>| Ok(
+            StoredMeta::default()
+        ))
+        .is_err());
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_21_reset() {
+    let mut p = pool(4);
+    let a = p.get_new_blocks(1).unwrap();
+    cache(&mut p, &a, &[h(1)], 0, 0);
+    assert!(!p.reset_prefix_cache());
+    p.free_blocks(&a).unwrap();
+    let order = p.all_free_block_ids();
+    p.take_events();
+    assert!(p.reset_prefix_cache());
+    assert_eq!(p.all_free_block_ids(), order);
+    assert_eq!(p.take_events(), vec![KvEvent::AllBlocksCleared]);
+    assert_eq!(p.num_cached_keys(), 0);
+    assert!(!p.has_hash(a[0]));
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_20_evict_keeps_refs_and_queue() {
+    let mut p = pool(4);
+    let a = p.get_new_blocks(2).unwrap();
+    cache(&mut p, &a, &[h(1), h(2)], 0, 0);
+    assert!(p.evict_blocks(&[-1]).is_err());
+    assert!(p.evict_blocks(&[1, 4]).is_err());
+    assert!(p.has_hash(1), "a failed evict changes nothing");
+    p.evict_blocks(&[1]).unwrap();
+    assert!(!p.has_hash(1));
+    assert_eq!(p.ref_cnt(1), 1);
+    p.check_invariants().unwrap();
+}
+
+// ------------------------------------------------------------------ model test
+
+/// A trivially correct model: a Vec for the queue, counts, and key lists.
+#[derive(Debug, Clone, Default)]
+struct Model {
+    queue: Vec<u32>,
+    rc: Vec<i32>,
+    key: Vec<Option<u8>>,
+    index: Vec<(u8, Vec<u32>)>,
+}
+
+impl Model {
+    fn new(n: usize) -> Self {
+        Self {
+            queue: (1..n as u32).collect(),
+            rc: vec![0; n],
+            key: vec![None; n],
+            index: Vec::new(),
+        }
+    }
+    fn evict(&mut self, b: u32) {
+        if let Some(k) = self.key[b as usize].take() {
+            let pos = self.index.iter().position(|(kk, _)| *kk == k).unwrap();
+            self.index[pos].1.retain(|&x| x != b);
+            if self.index[pos].1.is_empty() {
+                self.index.remove(pos);
+            }
+        }
+    }
+    fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
+        if n > self.queue.len() {
+            return None;
+        }
+        let got: Vec<u32> = self.queue.drain(..n).collect();
+        for &b in &got {
+            self.evict(b);
+            self.rc[b as usize] = 1;
+        }
+        Some(got)
+    }
+    fn free(&mut self, ids: &[u32]) {
+        let (mut u, mut hsh) = (vec![], vec![]);
+        for &b in ids {
+            self.rc[b as usize] -= 1;
+            if self.rc[b as usize] == 0 && b != 0 {
+                if self.key[b as usize].is_some() {
+                    hsh.push(b)
+                } else {
+                    u.push(b)
+                }
+            }
+        }
+        u.append(&mut self.queue);
+        u.extend(hsh);
+        self.queue = u;
+    }
+    fn touch(&mut self, ids: &[u32]) {
+        for &b in ids {
+            if self.rc[b as usize] == 0 && b != 0 {
+                self.queue.retain(|&x| x != b);
+            }
+            self.rc[b as usize] += 1;
+        }
+    }
+    fn cache(&mut self, b: u32, k: u8) {
+        if b == 0 || self.key[b as usize].is_some() {
+            return;
+        }
+        self.key[b as usize] = Some(k);
+        match self.index.iter_mut().find(|(kk, _)| *kk == k) {
+            Some((_, v)) => v.push(b),
+            None => self.index.push((k, vec![b])),
+        }
+    }
+    fn lookup(&self, k: u8) -> Option<u32> {
+        self.index
+            .iter()
+            .find(|(kk, _)| *kk == k)
+            .map(|(_, v)| v[0])
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Alloc(usize),
+    FreeHeld(usize),
+    TouchCached(u8),
+    Cache(usize, u8),
+    Lookup(u8),
+    Reset,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0usize..6).prop_map(Op::Alloc),
+        (0usize..8).prop_map(Op::FreeHeld),
+        (0u8..6).prop_map(Op::TouchCached),
+        (0usize..8, 0u8..6).prop_map(|(i, k)| Op::Cache(i, k)),
+        (0u8..6).prop_map(Op::Lookup),
+        Just(Op::Reset),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    #[test]
+    fn pool_matches_model(n in 2usize..12, ops in prop::collection::vec(op(), 1..60)) {
+        let mut p = BlockPool::new(n as i64, true, 16, true).unwrap();
+        let mut m = Model::new(n);
+        // Held references: one entry per reference taken.
+        let mut held: Vec<u32> = Vec::new();
+        for o in ops {
+            match o {
+                Op::Alloc(k) => {
+                    let got = p.get_new_blocks(k).ok();
+                    prop_assert_eq!(&got, &m.alloc(k));
+                    if let Some(g) = got { held.extend(g); }
+                }
+                Op::FreeHeld(k) => {
+                    let k = k.min(held.len());
+                    let ids: Vec<u32> = held.drain(held.len() - k..).rev().collect();
+                    p.free_blocks(&ids).unwrap();
+                    m.free(&ids);
+                }
+                Op::TouchCached(key) => {
+                    if let Some(b) = p.get_one_block(&BlockKey::new(h(key), 0)) {
+                        p.touch(&[b]).unwrap();
+                        m.touch(&[b]);
+                        held.push(b);
+                    }
+                }
+                Op::Cache(i, key) => {
+                    if let Some(&b) = held.get(i) {
+                        if !p.has_hash(b) {
+                            cache(&mut p, &[b], &[h(key)], 0, 0);
+                            m.cache(b, key);
+                        }
+                    }
+                }
+                Op::Lookup(key) => {
+                    prop_assert_eq!(p.get_one_block(&BlockKey::new(h(key), 0)), m.lookup(key));
+                }
+                Op::Reset => {
+                    let ok = p.reset_prefix_cache();
+                    prop_assert_eq!(ok, m.queue.len() == n - 1);
+                    if ok {
+                        m.key.iter_mut().for_each(|k| *k = None);
+                        m.index.clear();
+                    }
+                }
+            }
+            prop_assert_eq!(p.all_free_block_ids(), m.queue.clone());
+            for b in 0..n as u32 {
+                prop_assert_eq!(p.ref_cnt(b), m.rc[b as usize]);
+            }
+            prop_assert!(p.check_invariants().is_ok(), "{:?}", p.check_invariants());
+        }
+    }
+}

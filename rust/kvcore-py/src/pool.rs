@@ -1,0 +1,558 @@
+//! `kvcore.BlockPool`: the Python face of [`kvcore_core::pool::BlockPool`].
+//!
+//! A block is its `int` id. Methods convert their arguments, call the core once and convert the
+//! result; a batch of ids crosses the boundary as one list.
+
+use kvcore_core::events::{MetaRequest, StoredMeta};
+use kvcore_core::hash::BlockHash;
+use kvcore_core::pool::{BlockId, BlockPool, HashSource};
+use kvcore_core::PoolError;
+use pyo3::exceptions::{PyAssertionError, PyIndexError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyInt, PyList, PySlice, PyTuple};
+
+use crate::errors::{invalid, to_pyerr, Error};
+use crate::events::{events_to_py, py_to_value};
+
+/// Reads a sequence or iterable of block ids into core ids, checking their range.
+fn extract_ids(pool: &BlockPool, obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+    let check = |v: i64| pool.check_id(v).map_err(to_pyerr);
+    if let Ok(list) = obj.downcast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for item in list.iter() {
+            out.push(check(item.extract::<i64>()?)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(t) = obj.downcast::<PyTuple>() {
+        let mut out = Vec::with_capacity(t.len());
+        for item in t.iter() {
+            out.push(check(item.extract::<i64>()?)?);
+        }
+        return Ok(out);
+    }
+    let mut out = Vec::new();
+    for item in obj.try_iter()? {
+        out.push(check(item?.extract::<i64>()?)?);
+    }
+    Ok(out)
+}
+
+/// Reads raw ids (any int) from an iterable, keeping their order.
+fn extract_raw_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let mut out = Vec::new();
+    for item in obj.try_iter()? {
+        out.push(item?.extract::<i64>()?);
+    }
+    Ok(out)
+}
+
+/// The full-attention hit walk (SPEC FA-1) over a Python sequence of hashes: entry
+/// `(i + 1) * stride - 1` for block `i < max_blocks`, read lazily so the walk stops reading at
+/// the first miss. Returns one list per group.
+pub fn cached_prefix(
+    pool: &BlockPool,
+    block_hashes: &Bound<'_, PyAny>,
+    max_blocks: usize,
+    group_ids: &[u32],
+    stride: usize,
+) -> PyResult<Vec<Vec<u32>>> {
+    let n = (block_hashes.len()? / stride).min(max_blocks);
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); group_ids.len()];
+    for i in 0..n {
+        let h = to_hash(&block_hashes.get_item((i + 1) * stride - 1)?)?;
+        match pool.get_cached_block(&h, group_ids) {
+            Some(found) => {
+                for (dst, b) in out.iter_mut().zip(found) {
+                    dst.push(b);
+                }
+            }
+            None => break,
+        }
+    }
+    Ok(out)
+}
+
+/// Converts a digest from Python bytes.
+pub fn to_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
+    let b = obj.downcast::<PyBytes>()?.as_bytes();
+    BlockHash::from_slice(b).ok_or_else(|| to_pyerr(PoolError::InvalidHash(b.len())))
+}
+
+fn non_negative(v: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| invalid(format!("{what} must be non-negative, got {v}")))
+}
+
+/// Request fields that events need (SPEC POOL-17, POOL-30).
+pub fn stored_meta(
+    py: Python<'_>,
+    request: &Bound<'_, PyAny>,
+    req: &MetaRequest<'_>,
+) -> PyResult<StoredMeta> {
+    let token_range = req.token_range;
+    let extra_ranges = req.block_ranges;
+    let first_mm_idx = req.first_mm_idx;
+    let tokens = request
+        .getattr(intern!(py, "all_token_ids"))?
+        .get_item(PySlice::new(
+            py,
+            token_range.0 as isize,
+            token_range.1 as isize,
+            1,
+        ))?;
+    let token_ids: Vec<i64> = tokens.extract()?;
+    let lora = request.getattr(intern!(py, "lora_request"))?;
+    let (lora_id, lora_name) = if lora.is_truthy()? {
+        (
+            lora.getattr(intern!(py, "adapter_id"))?
+                .extract::<Option<i64>>()?,
+            lora.getattr(intern!(py, "name"))?
+                .extract::<Option<String>>()?,
+        )
+    } else {
+        (None, None)
+    };
+    let needs_extra = needs_extra_keys(py, request)?;
+    let mut extra = Vec::with_capacity(extra_ranges.len());
+    if needs_extra {
+        let gen = py
+            .import("kvcore.hashing")?
+            .getattr("generate_block_hash_extra_keys")?;
+        let mut mm_idx = first_mm_idx;
+        for &(s, e) in extra_ranges {
+            let out = gen.call1((request, s, e, mm_idx))?;
+            let (keys, next): (Bound<'_, PyAny>, i64) = out.extract()?;
+            mm_idx = next;
+            extra.push(if keys.is_none() {
+                None
+            } else {
+                Some(py_to_value(&keys)?)
+            });
+        }
+    } else {
+        extra.resize(extra_ranges.len(), None);
+    }
+    Ok(StoredMeta {
+        token_ids,
+        lora_id,
+        lora_name,
+        extra_keys: (!extra.is_empty()).then_some(extra),
+    })
+}
+
+/// `getattr(obj, name, None)` that lets other errors through.
+fn get_opt<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+    name: &Bound<'py, pyo3::types::PyString>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    match obj.getattr(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// SPEC XK-3, plus prompt embeddings (which add a key to every block, XK-1).
+fn needs_extra_keys(py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if let Some(mm) = get_opt(py, request, intern!(py, "mm_features"))? {
+        if mm.is_truthy()? {
+            return Ok(true);
+        }
+    }
+    for name in [
+        intern!(py, "lora_request"),
+        intern!(py, "cache_salt"),
+        intern!(py, "prompt_embeds"),
+    ] {
+        if let Some(v) = get_opt(py, request, name)? {
+            if !v.is_none() {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// The KV-cache block pool (SPEC §4). A block is its `int` id; block 0 is the null block.
+#[pyclass(module = "kvcore._native", name = "BlockPool")]
+pub struct PyBlockPool {
+    inner: BlockPool,
+}
+
+#[pymethods]
+impl PyBlockPool {
+    #[new]
+    #[pyo3(signature = (num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events = false, metrics_collector = None))]
+    fn new(
+        py: Python<'_>,
+        num_gpu_blocks: &Bound<'_, PyAny>,
+        enable_caching: bool,
+        hash_block_size: i64,
+        enable_kv_cache_events: bool,
+        metrics_collector: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        if metrics_collector.is_some_and(|m| !m.is_none()) {
+            return Err(invalid(
+                "kvcore's BlockPool does not take a metrics collector",
+            ));
+        }
+        if !num_gpu_blocks.is_instance_of::<PyInt>() {
+            return Err(invalid(format!(
+                "num_gpu_blocks must be an int, got {}",
+                num_gpu_blocks.get_type().name()?
+            )));
+        }
+        let n: i64 = num_gpu_blocks
+            .extract()
+            .map_err(|_| to_pyerr(PoolError::InvalidPoolSize(i64::MAX)))?;
+        let hbs = usize::try_from(hash_block_size)
+            .ok()
+            .filter(|&v| v > 0)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "hash_block_size must be positive, got {hash_block_size}"
+                ))
+            })?;
+        let inner = py
+            .allow_threads(|| BlockPool::new(n, enable_caching, hbs, enable_kv_cache_events))
+            .map_err(Error::Pool)?;
+        Ok(Self { inner })
+    }
+
+    /// Number of blocks, the null block included.
+    #[getter]
+    fn num_gpu_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+
+    /// Whether prefix caching is on.
+    #[getter]
+    fn enable_caching(&self) -> bool {
+        self.inner.enable_caching()
+    }
+
+    /// Tokens per hash block.
+    #[getter]
+    fn hash_block_size(&self) -> usize {
+        self.inner.hash_block_size()
+    }
+
+    /// Whether KV events are recorded.
+    #[getter]
+    fn enable_kv_cache_events(&self) -> bool {
+        self.inner.events_enabled()
+    }
+
+    /// The null block's id (0).
+    #[getter]
+    fn null_block(&self) -> u32 {
+        BlockPool::null_block()
+    }
+
+    /// A read-only view of the blocks: `blocks[i]` describes block `i`.
+    #[getter]
+    fn blocks(slf: Py<Self>) -> BlockList {
+        BlockList { pool: slf }
+    }
+
+    fn get_num_free_blocks(&self) -> usize {
+        self.inner.get_num_free_blocks()
+    }
+
+    fn get_usage(&self, py: Python<'_>) -> PyResult<PyObject> {
+        Ok(match self.inner.get_usage() {
+            Some(u) => u.into_pyobject(py)?.into_any().unbind(),
+            None => 0i64.into_pyobject(py)?.into_any().unbind(),
+        })
+    }
+
+    fn get_new_blocks(&mut self, num_blocks: i64) -> PyResult<Vec<u32>> {
+        if num_blocks < 0 {
+            return Err(to_pyerr(PoolError::NegativeCount(num_blocks)));
+        }
+        Ok(self
+            .inner
+            .get_new_blocks(num_blocks as usize)
+            .map_err(Error::Pool)?)
+    }
+
+    fn touch(&mut self, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = extract_ids(&self.inner, blocks)?;
+        Ok(self.inner.touch(&ids).map_err(Error::Pool)?)
+    }
+
+    fn free_blocks(&mut self, ordered_blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = extract_ids(&self.inner, ordered_blocks)?;
+        Ok(self.inner.free_blocks(&ids).map_err(Error::Pool)?)
+    }
+
+    #[pyo3(signature = (request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn cache_full_blocks(
+        &mut self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        num_cached_blocks: i64,
+        num_full_blocks: i64,
+        block_size: i64,
+        kv_cache_group_id: u32,
+        block_mask: Option<Vec<bool>>,
+    ) -> PyResult<()> {
+        let num_cached = non_negative(num_cached_blocks, "num_cached_blocks")?;
+        let num_full = non_negative(num_full_blocks, "num_full_blocks")?;
+        if num_cached >= num_full {
+            return Ok(());
+        }
+        let bs = non_negative(block_size, "block_size")?;
+        let hbs = self.inner.hash_block_size();
+        if bs == 0 || bs % hbs != 0 {
+            return Err(to_pyerr(PoolError::BlockSizeNotMultiple {
+                block_size: bs,
+                hash_block_size: hbs,
+            }));
+        }
+        // Only the blocks being cached cross the boundary.
+        let seq = blocks.get_item(PySlice::new(py, num_cached as isize, num_full as isize, 1))?;
+        let new_ids = extract_ids(&self.inner, &seq)?;
+        if new_ids.len() != num_full - num_cached {
+            return Err(invalid(format!(
+                "the request holds fewer than num_full_blocks={num_full} blocks"
+            )));
+        }
+        let fine = request.getattr(intern!(py, "block_hashes"))?;
+        let fine_len = fine.len()?;
+        let k = bs / hbs;
+        let mut get = |i: usize| -> Result<BlockHash, Error> {
+            Ok(to_hash(&fine.get_item((i + 1) * k - 1)?)?)
+        };
+        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
+            Ok(stored_meta(py, request, req)?)
+        };
+        Ok(self.inner.cache_full_blocks::<Error>(
+            &new_ids,
+            num_cached,
+            num_full,
+            bs,
+            kv_cache_group_id,
+            block_mask.as_deref(),
+            HashSource {
+                len: fine_len / k,
+                get: &mut get,
+            },
+            &mut meta,
+        )?)
+    }
+
+    fn cache_partial_block<'py>(
+        &mut self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        block: i64,
+        num_tokens: i64,
+        kv_cache_group_id: u32,
+        block_size: i64,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let b = self.inner.check_id(block).map_err(Error::Pool)?;
+        let nt = non_negative(num_tokens, "num_tokens")?;
+        let bs = non_negative(block_size, "block_size")?;
+        let fine = request.getattr(intern!(py, "block_hashes"))?;
+        let num_hashes = fine.len()?;
+        let mut at = |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&fine.get_item(i)?)?) };
+        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
+            Ok(stored_meta(py, request, req)?)
+        };
+        let key = self.inner.cache_partial_block::<Error>(
+            b,
+            nt,
+            kv_cache_group_id,
+            bs,
+            num_hashes,
+            &mut at,
+            &mut meta,
+        )?;
+        Ok(key.map(|k| PyBytes::new(py, &k.to_bytes())))
+    }
+
+    fn get_cached_block(
+        &self,
+        block_hash: &Bound<'_, PyAny>,
+        kv_cache_group_ids: Vec<u32>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let h = to_hash(block_hash)?;
+        Ok(self.inner.get_cached_block(&h, &kv_cache_group_ids))
+    }
+
+    #[pyo3(signature = (block_hashes, max_num_blocks, kv_cache_group_ids, stride = 1))]
+    fn longest_cached_prefix(
+        &self,
+        block_hashes: &Bound<'_, PyAny>,
+        max_num_blocks: i64,
+        kv_cache_group_ids: Vec<u32>,
+        stride: i64,
+    ) -> PyResult<Vec<Vec<u32>>> {
+        let stride = usize::try_from(stride)
+            .ok()
+            .filter(|&s| s > 0)
+            .ok_or_else(|| invalid("stride must be positive"))?;
+        let max = non_negative(max_num_blocks, "max_num_blocks")?;
+        cached_prefix(&self.inner, block_hashes, max, &kv_cache_group_ids, stride)
+    }
+
+    fn evict_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = extract_raw_ids(block_ids)?;
+        Ok(self.inner.evict_blocks(&ids).map_err(Error::Pool)?)
+    }
+
+    fn reset_prefix_cache(&mut self, py: Python<'_>) -> PyResult<bool> {
+        let ok = self.inner.reset_prefix_cache();
+        if !ok {
+            let used = self.inner.num_blocks() - self.inner.get_num_free_blocks() - 1;
+            py.import("logging")?
+                .call_method1("getLogger", ("kvcore",))?
+                .call_method1(
+                    "warning",
+                    (
+                        "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                        used,
+                    ),
+                )?;
+        }
+        Ok(ok)
+    }
+
+    fn take_events(&mut self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        events_to_py(py, self.inner.take_events())
+    }
+
+    fn get_all_free_block_ids(&self) -> Vec<u32> {
+        self.inner.all_free_block_ids()
+    }
+
+    fn get_ref_cnts(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+        let ids = extract_ids(&self.inner, block_ids)?;
+        Ok(ids.iter().map(|&b| self.inner.ref_cnt(b)).collect())
+    }
+
+    fn count_evictable(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let ids = extract_ids(&self.inner, block_ids)?;
+        Ok(self.inner.count_evictable(&ids))
+    }
+
+    fn get_block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        block_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
+        let ids = extract_ids(&self.inner, block_ids)?;
+        Ok(ids
+            .iter()
+            .map(|&b| {
+                self.inner
+                    .primary_key(b)
+                    .map(|(k, _)| PyBytes::new(py, &k.to_bytes()))
+            })
+            .collect())
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner
+            .check_invariants()
+            .map_err(|m| PyAssertionError::new_err(format!("block pool invariant broken: {m}")))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.num_blocks()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockPool(num_gpu_blocks={}, free={}, cached_keys={}, enable_caching={})",
+            self.inner.num_blocks(),
+            self.inner.get_num_free_blocks(),
+            self.inner.num_cached_keys(),
+            if self.inner.enable_caching() {
+                "True"
+            } else {
+                "False"
+            },
+        )
+    }
+}
+
+impl PyBlockPool {
+    /// The core pool, for other binding modules.
+    pub fn core(&self) -> &BlockPool {
+        &self.inner
+    }
+
+    /// The core pool, mutably.
+    pub fn core_mut(&mut self) -> &mut BlockPool {
+        &mut self.inner
+    }
+}
+
+/// The sequence behind `BlockPool.blocks`.
+#[pyclass(module = "kvcore._native", name = "BlockList", frozen)]
+pub struct BlockList {
+    pool: Py<PyBlockPool>,
+}
+
+#[pymethods]
+impl BlockList {
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.pool.borrow(py).inner.num_blocks()
+    }
+
+    fn __getitem__(&self, py: Python<'_>, index: i64) -> PyResult<KVCacheBlockView> {
+        let pool = self.pool.borrow(py);
+        let n = pool.inner.num_blocks() as i64;
+        let i = if index < 0 { index + n } else { index };
+        if !(0..n).contains(&i) {
+            return Err(PyIndexError::new_err(format!(
+                "block index {index} out of range for {n} blocks"
+            )));
+        }
+        let b = i as u32;
+        let key = pool.inner.primary_key(b);
+        Ok(KVCacheBlockView {
+            block_id: b,
+            ref_cnt: pool.inner.ref_cnt(b),
+            block_hash: key.map(|(k, _)| k.to_bytes()),
+            block_hash_num_tokens: key.map(|(_, n)| n),
+        })
+    }
+}
+
+/// A snapshot of one block's state (SPEC BLK-1).
+#[pyclass(module = "kvcore._native", name = "KVCacheBlockView", frozen, get_all)]
+pub struct KVCacheBlockView {
+    block_id: u32,
+    ref_cnt: i32,
+    block_hash: Option<Vec<u8>>,
+    block_hash_num_tokens: Option<usize>,
+}
+
+#[pymethods]
+impl KVCacheBlockView {
+    /// Whether this is the null block.
+    #[getter]
+    fn is_null(&self) -> bool {
+        self.block_id == 0
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "KVCacheBlockView(block_id={}, ref_cnt={}, hashed={})",
+            self.block_id,
+            self.ref_cnt,
+            if self.block_hash.is_some() {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
+}
