@@ -9,11 +9,31 @@ from kvcore._native import (
     BlockPool,
     BlockStateError,
     DoubleFreeError,
-    InvalidArgumentError,
     KVCacheBlockView,
     KvcoreError,
     NoFreeBlocksError,
     __version__,
+)
+from kvcore.blocks import KVCacheBlocks
+from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
+from kvcore.manager import KVCacheManager, PrefixCacheStats
+from kvcore.request import Request, RequestStatus
+from kvcore.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    HiddenStateCacheSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    TQFullAttentionSpec,
+    UniformTypeKVCacheSpecs,
 )
 
 __all__ = [
@@ -21,9 +41,33 @@ __all__ = [
     "BlockPool",
     "BlockStateError",
     "DoubleFreeError",
-    "InvalidArgumentError",
     "KVCacheBlockView",
-    "KvcoreError",
     "NoFreeBlocksError",
+    "ChunkedLocalAttentionSpec",
+    "CrossAttentionSpec",
+    "EncoderOnlyAttentionSpec",
+    "FullAttentionSpec",
+    "HiddenStateCacheSpec",
+    "InvalidArgumentError",
+    "InvalidConfigError",
+    "InvariantViolationError",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "KVCacheTensor",
+    "KvcoreError",
+    "MLAAttentionSpec",
+    "MambaSpec",
+    "PrefixCacheStats",
+    "RSWASpec",
+    "Request",
+    "RequestStatus",
+    "SinkFullAttentionSpec",
+    "SlidingWindowMLASpec",
+    "SlidingWindowSpec",
+    "TQFullAttentionSpec",
+    "UniformTypeKVCacheSpecs",
     "__version__",
 ]

@@ -1,0 +1,39 @@
+"""Exceptions raised by kvcore's Python layer.
+
+Every class subclasses :class:`kvcore.KvcoreError` and the built-in exception the reference raises
+for the same misuse, so that a handler written for the reference keeps working (SPEC conventions:
+"kvcore may raise a subclass of X, never a class that a handler for X misses"). Where the
+reference ``assert``\\ s on input a caller could reasonably validate, kvcore raises a class that is
+both an :class:`AssertionError` and a :class:`ValueError`.
+"""
+
+from __future__ import annotations
+
+from kvcore._native import KvcoreError
+
+__all__ = [
+    "InvalidArgumentError",
+    "InvalidConfigError",
+    "InvariantViolationError",
+    "KvcoreError",
+]
+
+
+class InvalidConfigError(KvcoreError, ValueError, AssertionError):
+    """An inconsistent KV cache configuration (block sizes, groups, specs).
+
+    The reference asserts on most of these (COORD-2, COORD-7, COORD-9, SPEC-1) and raises
+    ValueError on others (CFG-2, the retention interval); this class satisfies both handlers.
+    """
+
+
+class InvalidArgumentError(KvcoreError, ValueError, AssertionError):
+    """A call argument the manager rejects (negative counts, zero new tokens, ...)."""
+
+
+class InvariantViolationError(KvcoreError, AssertionError):
+    """A call that breaks a manager invariant where the reference asserts.
+
+    Examples: prefix hits handed in for a request that is already running (COORD-5), or an
+    allocation on a request that already holds blocks (STM-4).
+    """

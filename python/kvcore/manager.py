@@ -1,0 +1,529 @@
+"""The scheduler-facing KV cache manager (SPEC §8).
+
+:class:`KVCacheManager` answers the scheduler's three questions: which prefix of a new request is
+already cached (:meth:`~KVCacheManager.get_computed_blocks`), whether a request can get slots for
+its next tokens and which blocks they are (:meth:`~KVCacheManager.allocate_slots`), and what to
+release when it finishes or is preempted (:meth:`~KVCacheManager.free`). Blocks are int ids.
+
+Examples:
+    >>> from kvcore.config import KVCacheConfig, KVCacheGroupSpec
+    >>> from kvcore.request import Request
+    >>> from kvcore.specs import FullAttentionSpec
+    >>> spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype="float16")
+    >>> cfg = KVCacheConfig(10, [], [KVCacheGroupSpec(["l0"], spec)])
+    >>> mgr = KVCacheManager(cfg, max_model_len=1024, scheduler_block_size=16,
+    ...                      hash_block_size=16)
+    >>> mgr.allocate_slots(Request("r1", list(range(40))), 40).get_block_ids()
+    ([1, 2, 3],)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvcore.blocks import KVCacheBlocks
+from kvcore.coordinator import get_kv_cache_coordinator
+from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
+from kvcore.events import BlockStored, KVCacheEvent
+from kvcore.request import RequestStatus
+from kvcore.single_type import FullAttentionManager
+from kvcore.specs import (
+    AttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+
+if TYPE_CHECKING:
+    from kvcore.config import KVCacheConfig
+    from kvcore.request import Request
+
+__all__ = ["KVCacheManager", "PrefixCacheStats"]
+
+logger = logging.getLogger(__name__)
+
+_WAITING = RequestStatus.WAITING
+_PREEMPTED = RequestStatus.PREEMPTED
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache hit statistics (STAT-1).
+
+    Attributes:
+        reset: Whether the prefix cache was reset.
+        requests: New requests looked up.
+        queries: Tokens of those requests.
+        hits: Hit tokens of those requests.
+        preempted_requests: Preempted requests looked up again.
+        preempted_queries: Tokens of those requests.
+        preempted_hits: Hit tokens of those requests.
+    """
+
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        """Adds one lookup to the preempted or to the normal counters (STAT-1).
+
+        Args:
+            num_tokens: The request's tokens.
+            num_hits: Hit tokens.
+            preempted: Whether the request was preempted before.
+        """
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+class KVCacheManager:
+    """Allocates and frees KV cache blocks for requests (SPEC §8).
+
+    Attributes:
+        max_model_len: Longest sequence.
+        enable_caching: Whether prefix caching is on.
+        use_eagle: Whether EAGLE/MTP drafting is on.
+        log_stats: Whether prefix-cache stats are kept.
+        prefix_cache_stats: The current stats, or None without ``log_stats``.
+        coordinator: The coordinator (COORD-1).
+        num_kv_cache_groups: Number of groups.
+        block_pool: The shared pool.
+        kv_cache_config: The configuration.
+        watermark_blocks: Blocks kept free when admitting waiting requests (MGR-1).
+        kv_cache_event_metadata: Per group, the event kind and window (MGR-4).
+        empty_kv_cache_blocks: The shared empty result (MGR-3).
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_num_batched_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+    ) -> None:
+        """Builds the coordinator, its pool and managers (MGR-1..4).
+
+        Args:
+            kv_cache_config: The configuration.
+            max_model_len: Longest sequence.
+            scheduler_block_size: The scheduling granularity.
+            hash_block_size: The granularity of ``Request.block_hashes``.
+            max_num_batched_tokens: Tokens per step; defaults to ``max_model_len``.
+            enable_caching: Whether prefix caching is on.
+            use_eagle: Whether EAGLE/MTP drafting is on.
+            log_stats: Whether to keep prefix-cache stats.
+            enable_kv_cache_events: Whether to queue KV events.
+            dcp_world_size: Decode context-parallel world size.
+            pcp_world_size: Prefill context-parallel world size.
+            metrics_collector: Accepted for compatibility; block metrics are not collected.
+            watermark: Fraction of blocks kept free when admitting waiting requests.
+
+        Raises:
+            InvalidConfigError: (AssertionError and ValueError) an inconsistent configuration
+                or a negative watermark.
+        """
+        self.max_model_len = max_model_len
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max_model_len
+        self.enable_caching = enable_caching
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config,
+            max_model_len,
+            max_num_batched_tokens,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size,
+            pcp_world_size,
+            scheduler_block_size,
+            hash_block_size,
+            metrics_collector,
+        )
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.block_pool = self.coordinator.block_pool
+        self.kv_cache_config = kv_cache_config
+        if not watermark >= 0.0:
+            raise InvalidConfigError(f"watermark must be non-negative, not {watermark}")
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.kv_cache_event_metadata: tuple[tuple[str, int | None], ...] = tuple(
+            (
+                get_kv_cache_spec_kind(g.kv_cache_spec).value,
+                get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+            )
+            for g in kv_cache_config.kv_cache_groups
+        )
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool
+        )
+        self._empty_blocks = self.empty_kv_cache_blocks.blocks
+        managers = self.coordinator.single_type_managers
+        # Decode fast path: one plain full-attention group (the common case).
+        self._fast = (
+            managers[0]
+            if len(managers) == 1 and (type(managers[0]) is FullAttentionManager)
+            else None
+        )
+        self._clip_sizes = tuple(
+            g.kv_cache_spec.block_size
+            if isinstance(g.kv_cache_spec, AttentionSpec)
+            and not isinstance(g.kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec)
+            else None
+            for g in kv_cache_config.kv_cache_groups
+        )
+
+    @property
+    def usage(self) -> float:
+        """The pool usage in [0, 1] (MGR-4, POOL-3)."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Hands back the current stats and starts fresh ones (MGR-30).
+
+        Returns:
+            The stats, or None without ``log_stats``.
+        """
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Finds the request's longest cached prefix (MGR-6, MGR-7).
+
+        The hit never covers the last token, which must be recomputed for its logits. Lookups
+        change no reference count.
+
+        Args:
+            request: The request.
+
+        Returns:
+            The hit blocks and the number of hit tokens.
+        """
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0
+        num_tokens = request.num_tokens
+        blocks, num_hit = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, num_tokens - 1
+        )
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(num_tokens, num_hit, request.num_preemptions > 0)
+        return self.create_kv_cache_blocks(blocks), num_hit
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+    ) -> KVCacheBlocks | None:
+        """Gives the request slots for its next tokens (ALLOC-1..13).
+
+        Args:
+            request: The request.
+            num_new_tokens: Tokens to compute this step, draft tokens included.
+            num_new_computed_tokens: Prefix-hit tokens found by :meth:`get_computed_blocks`.
+            new_computed_blocks: The hit blocks, or None.
+            num_lookahead_tokens: Speculative slots to allocate (never cached).
+            num_external_computed_tokens: Tokens a KV connector computed.
+            delay_cache_blocks: Skip caching this step (P/D transfers).
+            num_encoder_tokens: Encoder tokens (cross-attention groups).
+            full_sequence_must_fit: Admission gate: fail unless the whole sequence fits.
+            reserved_blocks: Free blocks to leave for other sequences.
+            has_scheduled_reqs: Whether the watermark applies.
+
+        Returns:
+            The newly allocated blocks (the shared empty instance when none), or None when the
+            pool has too few free blocks.
+
+        Raises:
+            InvalidArgumentError: (a ValueError) zero new tokens without external tokens, a
+                negative count, or hits for the wrong number of groups.
+            InvariantViolationError: (an AssertionError) hits for a running request.
+        """
+        ext = num_external_computed_tokens
+        if num_new_tokens == 0 and ext == 0:
+            raise InvalidArgumentError(
+                "num_new_tokens must be > 0 when there are no external computed tokens"
+            )
+        if (
+            num_new_tokens
+            | num_new_computed_tokens
+            | num_lookahead_tokens
+            | ext
+            | num_encoder_tokens
+            | reserved_blocks
+        ) < 0:
+            raise InvalidArgumentError("token and block counts must be non-negative")
+        request_id = request.request_id
+        empty = self._empty_blocks
+        if new_computed_blocks is None:
+            ncb = empty
+        else:
+            ncb = new_computed_blocks.blocks
+            if ncb is not empty:
+                self._check_new_computed_blocks(request_id, ncb)
+        local = request.num_computed_tokens + num_new_computed_tokens
+        max_model_len = self.max_model_len
+        total = local + ext
+        if total > max_model_len:
+            total = max_model_len
+        wm = (
+            self.watermark_blocks
+            if has_scheduled_reqs and (request.status == _WAITING or request.status == _PREEMPTED)
+            else 0
+        )
+        main = total + num_new_tokens
+        need_slot = main + num_lookahead_tokens
+        if need_slot > max_model_len:
+            need_slot = max_model_len
+
+        fast = self._fast
+        if (
+            fast is not None
+            and ncb is empty
+            and not ext
+            and not full_sequence_must_fit
+            and request_id in fast.num_cached_block
+        ):
+            # Decode fast path: a running request in one full-attention group. Skipping
+            # remove_skipped_blocks is exact (full attention skips nothing); the rest is
+            # ALLOC-7/9/11 inlined.
+            blocks = fast.req_to_blocks[request_id]
+            n = -(-need_slot // fast.block_size) - len(blocks)
+            if n < 0:
+                n = 0
+            if (n or wm or reserved_blocks) and (
+                n + wm > self.block_pool.get_num_free_blocks() - reserved_blocks
+            ):
+                return None
+            new: list[int] = fast.allocate_new_blocks(request_id, need_slot, main) if n else []
+            if self.enable_caching and not delay_cache_blocks:
+                to_cache = main if main < request.num_tokens else request.num_tokens
+                if fast.num_cached_block[request_id] < to_cache // fast.block_size:
+                    fast.cache_blocks(request, to_cache)
+            if new:
+                return KVCacheBlocks((new,), self.block_pool)
+            return self.empty_kv_cache_blocks
+
+        coordinator = self.coordinator
+        if full_sequence_must_fit:
+            full = request.num_tokens
+            if full > max_model_len:
+                full = max_model_len
+            need = coordinator.get_num_blocks_to_allocate(
+                request_id, full, ncb, num_encoder_tokens, total, full, True
+            )
+            if need + wm > self.block_pool.get_num_free_blocks():
+                return None
+
+        coordinator.remove_skipped_blocks(request_id, total, request.num_prompt_tokens)
+        need = coordinator.get_num_blocks_to_allocate(
+            request_id, need_slot, ncb, num_encoder_tokens, local + ext, main
+        )
+        if need + wm > self.block_pool.get_num_free_blocks() - reserved_blocks:
+            return None
+        if ncb is not empty or ext > 0:
+            coordinator.allocate_new_computed_blocks(request_id, ncb, local, ext)
+        new_blocks = coordinator.allocate_new_blocks(
+            request_id, need_slot, main, num_encoder_tokens
+        )
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens = request.num_tokens
+            coordinator.cache_blocks(request, main if main < num_tokens else num_tokens)
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def _check_new_computed_blocks(self, request_id: str, ncb: tuple[Sequence[int], ...]) -> None:
+        """Rejects hits of the wrong shape, or for a running request, before any mutation."""
+        if len(ncb) != self.num_kv_cache_groups:
+            raise InvalidArgumentError(
+                f"new_computed_blocks has {len(ncb)} groups, the manager has "
+                f"{self.num_kv_cache_groups}"
+            )
+        if any(ncb) and any(
+            request_id in m.num_cached_block for m in self.coordinator.single_type_managers
+        ):
+            raise InvariantViolationError(
+                f"request {request_id!r} is running and cannot take new prefix hits"
+            )
+
+    def free(self, request: Request) -> None:
+        """Frees the request's blocks, group by group, tail first (MGR-20).
+
+        Args:
+            request: The request; an unknown one is a no-op.
+        """
+        self.coordinator.free(request.request_id)
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Frees blocks outside the attention windows (MGR-22).
+
+        Args:
+            request_id: The request id.
+            total_computed_tokens: Local plus external computed tokens.
+            num_prompt_tokens: Prompt length (R-SWA), or None.
+        """
+        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
+
+    def pop_blocks_for_free(self, request: Request) -> list[int]:
+        """Forgets the request without freeing; returns its blocks (MGR-21).
+
+        The caller must later pass them, reversed, to ``block_pool.free_blocks``.
+
+        Args:
+            request: The request.
+
+        Returns:
+            All its block ids, group by group, in allocation order.
+        """
+        return self.coordinator.pop_blocks_for_free(request.request_id)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drops the given blocks' prefix-cache keys (MGR-27, POOL-20).
+
+        Args:
+            block_ids: Block ids.
+        """
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Clears the prefix cache if no block is in use (MGR-27, POOL-21).
+
+        Returns:
+            Whether the cache was cleared.
+        """
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, the leading blocks every tracked request shares (MGR-22, FA-2).
+
+        Args:
+            running_request_id: Any running request.
+
+        Returns:
+            One count per group.
+        """
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Takes the pool's events, annotating ``BlockStored`` with the group kind (MGR-24).
+
+        Returns:
+            The events in emission order.
+        """
+        events: list[KVCacheEvent] = self.block_pool.take_events()
+        meta = self.kv_cache_event_metadata
+        for event in events:
+            if not isinstance(event, BlockStored) or event.group_idx is None:
+                continue
+            gid = event.group_idx
+            if gid < 0 or gid >= len(meta):
+                logger.warning("Group index %s not in KV cache metadata", gid)
+                continue
+            event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = meta[gid]
+        return events
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks per group (MGR-25); callers must not mutate the lists.
+
+        Args:
+            request_id: The request id; an unknown one gives the empty instance.
+
+        Returns:
+            The blocks.
+        """
+        return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group, as new lists (MGR-25)."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """Block ids covering the first ``num_computed_tokens`` tokens (MGR-26).
+
+        Args:
+            request_id: The request id.
+            num_computed_tokens: Computed tokens.
+
+        Returns:
+            Per group, ``cdiv(n, block_size)`` ids for attention groups; the whole list for
+            Mamba, cross-attention and encoder-only groups.
+        """
+        out: list[list[int]] = []
+        for ids, bs in zip(self.get_block_ids(request_id), self._clip_sizes, strict=True):
+            out.append(ids if bs is None else ids[: -(-num_computed_tokens // bs)])
+        return tuple(out)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Caches the request's full blocks when caching is on (MGR-27).
+
+        Args:
+            request: The request.
+            num_computed_tokens: Tokens to cover, cached ones included.
+        """
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[int], ...]) -> KVCacheBlocks:
+        """Wraps per-group ids; the shared empty instance when all are empty (MGR-3).
+
+        Args:
+            blocks: Ids per group.
+
+        Returns:
+            The result object.
+        """
+        return KVCacheBlocks(blocks, self.block_pool) if any(blocks) else self.empty_kv_cache_blocks
+
+    def take_new_block_ids(self) -> list[int]:
+        """Drains the ids allocated since the last call, group by group (MGR-29)."""
+        ids: list[int] = []
+        for m in self.coordinator.single_type_managers:
+            ids.extend(m.take_new_block_ids())
+        return ids
+
+    def new_step_starts(self) -> None:
+        """Signals a new scheduler step (MGR-30)."""
+        self.coordinator.new_step_starts()
