@@ -170,3 +170,27 @@ class UnitaryFullAttention:
     def num_requests(self) -> int: ...
     def is_running(self, request_id: str) -> bool: ...
     def num_cached_blocks(self, request_id: str) -> int | None: ...
+# --- hashing ---
+
+def hash_object(hash_fn_name: str, obj: object) -> bytes | None:
+    """``fn(obj)`` natively, or None when ``obj`` needs the Python serialiser."""
+
+def digest(hash_fn_name: str, data: bytes) -> bytes:
+    """Digests serialised bytes with the function's digest (SHA-256 or XXH3-128 big-endian)."""
+
+def hash_block_tokens(
+    hash_fn_name: str, none_hash: bytes, parent: object, tokens: object, extra: object
+) -> bytes | None:
+    """One block hash (SPEC HASH-11), or None when an argument needs the Python serialiser."""
+
+def hash_request_blocks(
+    hash_fn_name: str,
+    none_hash: bytes,
+    parent: bytes | None,
+    token_ids: list[int],
+    start: int,
+    num_blocks: int,
+    block_size: int,
+    extras: list[tuple[object, ...] | None] | None = None,
+) -> list[bytes] | None:
+    """Chained hashes of ``num_blocks`` windows from ``start`` (SPEC RH-1), GIL released."""

@@ -10,6 +10,7 @@ mod errors;
 mod events;
 mod manager;
 mod pool;
+mod hashing;
 
 /// The extension module.
 #[pymodule]
@@ -21,6 +22,9 @@ mod _native {
 
     #[pymodule_export]
     use super::manager::PyUnitaryFullAttention;
+
+    #[pymodule_export]
+    use super::hashing::{digest, hash_block_tokens, hash_object, hash_request_blocks};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

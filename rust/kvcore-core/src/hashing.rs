@@ -1,1 +1,0 @@
-//! Block hashing (SPEC §5): filled in by the hashing work.

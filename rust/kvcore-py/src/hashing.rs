@@ -1,0 +1,285 @@
+//! Bindings of the block hashing of `kvcore_core::hashing` (SPEC §5).
+//!
+//! Every function returns `None` when the input has a shape the core does not serialise
+//! byte-identically to CPython's `pickle` or to `cbor2` (an int beyond 64 bits, a `bool`, a
+//! subclass, an object that occurs twice in one pickle, a list where pickle is used); the
+//! Python layer (`kvcore.hashing`) then serialises with the Python library instead.
+
+use kvcore_core::hash::BlockHash;
+use kvcore_core::hashing::{BlockHasher, HashError, HashFn};
+use kvcore_core::value::Value;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
+
+/// Deepest nesting of tuples converted natively.
+const MAX_DEPTH: usize = 32;
+
+fn hash_fn(name: &str) -> PyResult<HashFn> {
+    HashFn::from_name(name).map_err(to_py_err)
+}
+
+fn to_py_err(e: HashError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// Converts Python objects into owned [`Value`]s, refusing what the core cannot reproduce.
+struct Converter {
+    /// Pickle mode: lists are refused and no memoisable object may occur twice.
+    pickle: bool,
+    /// Addresses of the memoisable objects seen so far (pickle mode only).
+    seen: Vec<usize>,
+}
+
+impl Converter {
+    fn new(hash_fn: HashFn) -> Self {
+        Self {
+            pickle: !hash_fn.is_cbor(),
+            seen: Vec::new(),
+        }
+    }
+
+    /// Records a memoisable object; `false` when it was already seen (CPython would write a
+    /// back-reference).
+    fn note(&mut self, obj: &Bound<'_, PyAny>) -> bool {
+        if !self.pickle {
+            return true;
+        }
+        let addr = obj.as_ptr() as usize;
+        if self.seen.contains(&addr) {
+            return false;
+        }
+        self.seen.push(addr);
+        true
+    }
+
+    fn value(&mut self, obj: &Bound<'_, PyAny>, depth: usize) -> Option<Value> {
+        if obj.is_none() {
+            return Some(Value::None);
+        }
+        if obj.is_exact_instance_of::<PyInt>() {
+            return obj.extract::<i64>().ok().map(Value::Int);
+        }
+        if let Ok(s) = obj.downcast_exact::<PyString>() {
+            if !self.note(obj) {
+                return None;
+            }
+            return s.to_str().ok().map(|s| Value::Str(s.to_owned()));
+        }
+        if let Ok(b) = obj.downcast_exact::<PyBytes>() {
+            if !self.note(obj) {
+                return None;
+            }
+            return Some(Value::Bytes(b.as_bytes().to_vec()));
+        }
+        if depth >= MAX_DEPTH {
+            return None;
+        }
+        if let Ok(t) = obj.downcast_exact::<PyTuple>() {
+            if !t.is_empty() && !self.note(obj) {
+                return None;
+            }
+            return self.items(t.iter(), depth);
+        }
+        if !self.pickle {
+            if let Ok(l) = obj.downcast_exact::<PyList>() {
+                return self.items(l.iter(), depth);
+            }
+        }
+        None
+    }
+
+    fn items<'py>(
+        &mut self,
+        iter: impl Iterator<Item = Bound<'py, PyAny>>,
+        depth: usize,
+    ) -> Option<Value> {
+        iter.map(|x| self.value(&x, depth + 1))
+            .collect::<Option<Vec<_>>>()
+            .map(Value::Tuple)
+    }
+
+    /// The extra-keys argument: `None` or the items of an exact tuple.
+    fn extra(&mut self, obj: &Bound<'_, PyAny>) -> Option<Option<Vec<Value>>> {
+        if obj.is_none() {
+            return Some(None);
+        }
+        match self.value(obj, 0)? {
+            Value::Tuple(items) if obj.is_exact_instance_of::<PyTuple>() => Some(Some(items)),
+            _ => None,
+        }
+    }
+}
+
+/// Token ids `[start, end)` of a list of exact ints, or `None` if any is not a 64-bit int.
+fn tokens_of(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
+    if end > list.len() {
+        return None;
+    }
+    let mut out = Vec::with_capacity(end - start);
+    for i in start..end {
+        let item = list.get_item(i).ok()?;
+        if !item.is_exact_instance_of::<PyInt>() {
+            return None;
+        }
+        out.push(item.extract::<i64>().ok()?);
+    }
+    Some(out)
+}
+
+/// Token ids of any sequence of exact ints.
+fn tokens_any(obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
+    if let Ok(list) = obj.downcast_exact::<PyList>() {
+        return tokens_of(list, 0, list.len());
+    }
+    let tuple = obj.downcast_exact::<PyTuple>().ok()?;
+    tuple
+        .iter()
+        .map(|x| {
+            if x.is_exact_instance_of::<PyInt>() {
+                x.extract::<i64>().ok()
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+fn py_hash<'py>(py: Python<'py>, h: &BlockHash) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, h.as_bytes())
+}
+
+/// `fn(obj)` for one of the four functions, or `None` when `obj` needs the Python serialiser.
+#[pyfunction]
+pub fn hash_object<'py>(
+    py: Python<'py>,
+    hash_fn_name: &str,
+    obj: &Bound<'py, PyAny>,
+) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let f = hash_fn(hash_fn_name)?;
+    let Some(value) = Converter::new(f).value(obj, 0) else {
+        return Ok(None);
+    };
+    Ok(f.hash_value(&value).ok().map(|h| py_hash(py, &h)))
+}
+
+/// Digests already serialised bytes with the function's digest (SHA-256 or XXH3-128 BE).
+#[pyfunction]
+pub fn digest<'py>(
+    py: Python<'py>,
+    hash_fn_name: &str,
+    data: &[u8],
+) -> PyResult<Bound<'py, PyBytes>> {
+    Ok(py_hash(py, &hash_fn(hash_fn_name)?.digest(data)))
+}
+
+/// One block hash (SPEC HASH-11), or `None` when an argument needs the Python serialiser.
+#[pyfunction]
+pub fn hash_block_tokens<'py>(
+    py: Python<'py>,
+    hash_fn_name: &str,
+    none_hash: &[u8],
+    parent: &Bound<'py, PyAny>,
+    tokens: &Bound<'py, PyAny>,
+    extra: &Bound<'py, PyAny>,
+) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let f = hash_fn(hash_fn_name)?;
+    let mut conv = Converter::new(f);
+    let parent_bytes: Option<&[u8]> = if parent.is_none() {
+        None
+    } else if let Ok(b) = parent.downcast_exact::<PyBytes>() {
+        conv.note(parent);
+        Some(b.as_bytes())
+    } else {
+        return Ok(None);
+    };
+    let Some(toks) = tokens_any(tokens) else {
+        return Ok(None);
+    };
+    if tokens.is_exact_instance_of::<PyTuple>() && !toks.is_empty() {
+        conv.note(tokens);
+    }
+    let Some(extra) = conv.extra(extra) else {
+        return Ok(None);
+    };
+    let mut hasher = BlockHasher::new(f, none_hash);
+    Ok(hasher
+        .hash_block(parent_bytes, &toks, extra.as_deref())
+        .ok()
+        .map(|h| py_hash(py, &h)))
+}
+
+/// Hashes the `num_blocks` windows of `block_size` tokens of `token_ids` starting at `start`
+/// as a chain from `parent` (SPEC RH-1), in one call with the GIL released.
+///
+/// `extras` is `None` (no window has extra keys) or one `tuple | None` per window. Returns
+/// `None` when an argument needs the Python serialiser.
+#[pyfunction]
+#[pyo3(signature = (hash_fn_name, none_hash, parent, token_ids, start, num_blocks, block_size, extras=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn hash_request_blocks<'py>(
+    py: Python<'py>,
+    hash_fn_name: &str,
+    none_hash: Vec<u8>,
+    parent: &Bound<'py, PyAny>,
+    token_ids: &Bound<'py, PyList>,
+    start: usize,
+    num_blocks: usize,
+    block_size: usize,
+    extras: Option<&Bound<'py, PyList>>,
+) -> PyResult<Option<Bound<'py, PyList>>> {
+    let f = hash_fn(hash_fn_name)?;
+    if block_size == 0 {
+        return Err(to_py_err(HashError::ZeroBlockSize));
+    }
+    let parent_bytes: Option<Vec<u8>> = if parent.is_none() {
+        None
+    } else if let Ok(b) = parent.downcast_exact::<PyBytes>() {
+        Some(b.as_bytes().to_vec())
+    } else {
+        return Ok(None);
+    };
+    let Some(end) = num_blocks
+        .checked_mul(block_size)
+        .and_then(|n| n.checked_add(start))
+    else {
+        return Ok(None);
+    };
+    let Some(tokens) = tokens_of(token_ids, start, end) else {
+        return Ok(None);
+    };
+    let extras: Option<Vec<Option<Vec<Value>>>> = match extras {
+        None => None,
+        Some(list) => {
+            let mut out = Vec::with_capacity(list.len());
+            for (i, e) in list.iter().enumerate() {
+                let mut conv = Converter::new(f);
+                if i == 0 && !parent.is_none() {
+                    conv.note(parent);
+                }
+                let Some(x) = conv.extra(&e) else {
+                    return Ok(None);
+                };
+                out.push(x);
+            }
+            Some(out)
+        }
+    };
+    let result = py.allow_threads(move || {
+        let mut hasher = BlockHasher::new(f, &none_hash);
+        hasher.hash_blocks(
+            parent_bytes.as_deref(),
+            &tokens,
+            block_size,
+            extras.as_deref(),
+        )
+    });
+    match result {
+        Ok(hashes) => Ok(Some(PyList::new(
+            py,
+            hashes.iter().map(|h| py_hash(py, h)),
+        )?)),
+        Err(HashError::Unsupported(_)) => Ok(None),
+        Err(e) => Err(to_py_err(e)),
+    }
+}
