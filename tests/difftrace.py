@@ -520,9 +520,11 @@ class TraceDriver:
         ro, ko = outs
         if ro.exc is not None or ko.exc is not None:
             if ro.exc is None:
-                self.fail(f"{desc}: kvcore raised", ro.value, ko.exc)
+                self.fail(f"{desc}: kvcore raised", convert(self.ref, ro.value), ko.exc)
             if ko.exc is None:
-                self.fail(f"{desc}: only the reference raised", ro.exc, ko.value)
+                self.fail(
+                    f"{desc}: only the reference raised", ro.exc, convert(self.kv, ko.value)
+                )
             assert ro.exc is not None and ko.exc is not None
             if not isinstance(ko.exc, type(ro.exc)):
                 self.fail(f"{desc}: exception class", ro.exc, ko.exc)
