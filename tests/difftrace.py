@@ -95,6 +95,8 @@ class TraceConfig:
         encoder_tokens: ``num_encoder_tokens`` for admissions (cross-attention).
         salt: Give some requests a ``cache_salt``.
         mamba_align_split: Apply the scheduler's block-aligned split (mamba align mode).
+        log_stats: Manager ``log_stats``; prefix-cache stats are compared every step.
+        skip_reading: Give some requests ``skip_reading_prefix_cache`` (MGR-6).
     """
 
     name: str
@@ -116,6 +118,8 @@ class TraceConfig:
     encoder_tokens: int = 0
     salt: bool = True
     mamba_align_split: bool = False
+    log_stats: bool = False
+    skip_reading: bool = True
 
 
 def _g(kind: str, bs: int = 16, **kw: Any) -> GroupDesc:
@@ -125,7 +129,7 @@ def _g(kind: str, bs: int = 16, **kw: Any) -> GroupDesc:
 _F16 = _g("full")
 CONFIGS: tuple[TraceConfig, ...] = (
     # Unitary coordinator (one group, caching on).
-    TraceConfig("full", (_F16,), external=True, delay=True, lookahead=2),
+    TraceConfig("full", (_F16,), external=True, delay=True, lookahead=2, log_stats=True),
     TraceConfig("full-xxhash", (_F16,), hash_fn="xxhash", watermark=0.05),
     TraceConfig("full-noevents", (_F16,), events=False, external=True, lookahead=1),
     TraceConfig("full-eagle", (_F16,), use_eagle=True, lookahead=3),
@@ -139,7 +143,7 @@ CONFIGS: tuple[TraceConfig, ...] = (
     ),
     TraceConfig("swa", (_g("swa", window=48),), external=True, delay=True),
     TraceConfig("chunked", (_g("chunked", window=64),), external=True),
-    TraceConfig("rswa", (_g("rswa", window=64),), watermark=0.05),
+    TraceConfig("rswa", (_g("rswa", window=64),), watermark=0.05, external=True),
     TraceConfig("mamba-none", (_g("mamba"),)),
     TraceConfig("mamba-all", (_g("mamba", mamba_mode="all", num_spec_blocks=1),), lookahead=2),
     TraceConfig("mamba-align", (_g("mamba", mamba_mode="align"),), mamba_align_split=True),
@@ -160,7 +164,13 @@ CONFIGS: tuple[TraceConfig, ...] = (
         num_blocks=96,
     ),
     TraceConfig("hybrid-full-chunked", (_F16, _g("chunked", window=64)), num_blocks=96),
-    TraceConfig("hybrid-full-mamba-all", (_F16, _g("mamba", mamba_mode="all")), num_blocks=96),
+    TraceConfig(
+        "hybrid-full-mamba-all",
+        (_F16, _g("mamba", mamba_mode="all")),
+        num_blocks=96,
+        external=True,
+        log_stats=True,
+    ),
     TraceConfig(
         "hybrid-full-mamba-align",
         (_F16, _g("mamba", mamba_mode="align")),
@@ -174,6 +184,39 @@ CONFIGS: tuple[TraceConfig, ...] = (
         hash_block_size=16,
         num_blocks=96,
         hash_fn="xxhash",
+    ),
+    TraceConfig(
+        "hybrid-full-full-swa",
+        (_F16, _F16, _g("swa", window=32)),
+        num_blocks=128,
+        log_stats=True,
+    ),
+    TraceConfig(
+        "hybrid-swa32-full16",
+        (_g("swa", 32, window=64), _F16),
+        scheduler_block_size=32,
+        hash_block_size=16,
+        num_blocks=96,
+        external=True,
+    ),
+    TraceConfig(
+        "hybrid-full-swa-eaglegroup",
+        (_F16, _g("swa", window=48, eagle=True)),
+        num_blocks=96,
+        lookahead=1,
+    ),
+    TraceConfig(
+        "hybrid-full-mamba-all-eagle",
+        (_F16, _g("mamba", mamba_mode="all", num_spec_blocks=2)),
+        use_eagle=True,
+        lookahead=2,
+        num_blocks=96,
+    ),
+    TraceConfig(
+        "mamba-align-spec",
+        (_g("mamba", mamba_mode="align", num_spec_blocks=1),),
+        lookahead=1,
+        mamba_align_split=True,
     ),
     TraceConfig(
         "hybrid-full-swa-swa",
@@ -206,7 +249,9 @@ class _Side:
     manager: Any
     status: Any
 
-    def make_request(self, rid: str, prompt: list[int], salt: str | None, max_tokens: int) -> Any:
+    def make_request(
+        self, rid: str, prompt: list[int], salt: str | None, max_tokens: int, skip: bool = False
+    ) -> Any:
         raise NotImplementedError
 
     def free_ids(self) -> list[int]:
@@ -269,6 +314,7 @@ def _manager_kwargs(cfg: TraceConfig) -> dict[str, Any]:
         "use_eagle": cfg.use_eagle,
         "enable_kv_cache_events": cfg.events,
         "watermark": cfg.watermark,
+        "log_stats": cfg.log_stats,
     }
 
 
@@ -304,11 +350,13 @@ class ReferenceSide(_Side):
         )
         self._n = cfg.num_blocks
 
-    def make_request(self, rid: str, prompt: list[int], salt: str | None, max_tokens: int) -> Any:
+    def make_request(
+        self, rid: str, prompt: list[int], salt: str | None, max_tokens: int, skip: bool = False
+    ) -> Any:
         return self._request_cls(
             rid,
             list(prompt),
-            self._sampling_params(max_tokens=max_tokens),
+            self._sampling_params(max_tokens=max_tokens, skip_reading_prefix_cache=skip or None),
             None,
             cache_salt=salt,
             block_hasher=self.hasher,
@@ -366,9 +414,16 @@ class KvcoreSide(_Side):
         )
         self._all = list(range(cfg.num_blocks))
 
-    def make_request(self, rid: str, prompt: list[int], salt: str | None, max_tokens: int) -> Any:
+    def make_request(
+        self, rid: str, prompt: list[int], salt: str | None, max_tokens: int, skip: bool = False
+    ) -> Any:
         return self._request_cls(
-            rid, list(prompt), cache_salt=salt, max_tokens=max_tokens, block_hasher=self.hasher
+            rid,
+            list(prompt),
+            cache_salt=salt,
+            max_tokens=max_tokens,
+            block_hasher=self.hasher,
+            skip_reading_prefix_cache=skip or None,
         )
 
     def free_ids(self) -> list[int]:
@@ -395,6 +450,25 @@ class KvcoreSide(_Side):
 
 class Mismatch(AssertionError):
     """The two implementations disagreed."""
+
+
+class BothRaised(Exception):
+    """Both implementations raised the same exception class; the trace cannot go on."""
+
+
+_STAT_FIELDS = (
+    "reset",
+    "requests",
+    "queries",
+    "hits",
+    "preempted_requests",
+    "preempted_queries",
+    "preempted_hits",
+)
+
+
+def _stats_tuple(side: Any, stats: Any) -> tuple[Any, ...] | None:
+    return None if stats is None else tuple(getattr(stats, f) for f in _STAT_FIELDS)
 
 
 @dataclass
@@ -474,6 +548,7 @@ class TraceDriver:
         self.ncalls = 0
         self.log: deque[str] = deque(maxlen=12)
         self.counts: dict[str, int] = {}
+        self.both_raised: str | None = None
 
     # -- comparison ---------------------------------------------------------------------------
 
@@ -528,7 +603,7 @@ class TraceDriver:
             assert ro.exc is not None and ko.exc is not None
             if not isinstance(ko.exc, type(ro.exc)):
                 self.fail(f"{desc}: exception class", ro.exc, ko.exc)
-            raise ro.exc
+            raise BothRaised(f"{desc}: {ro.exc!r} / {ko.exc!r}") from ro.exc
         self.check(
             f"{desc}: result",
             convert(self.ref, ro.value),
@@ -681,6 +756,20 @@ def run_trace(
         Mismatch: at the first divergence.
     """
     d = TraceDriver(cfg, seed, kv_side)
+    try:
+        _run(d, num_calls)
+    except BothRaised as e:
+        # Both rejected the call with the same exception class: that agrees, but the state
+        # after a rejected call is not comparable (the reference asserts midway), so stop.
+        d.counts["both raised"] = 1
+        d.both_raised = str(e)
+    if os.environ.get("KVCORE_DIFFTRACE_VERBOSE"):
+        print(cfg.name, seed, d.counts)
+    return d
+
+
+def _run(d: TraceDriver, num_calls: int) -> None:
+    cfg = d.cfg
     rng = d.rng
     work = _Workload(rng, cfg)
     waiting: deque[_Req] = deque()
@@ -697,7 +786,8 @@ def run_trace(
         prompt = work.prompt()
         salt = "salt-a" if cfg.salt and rng.random() < 0.1 else None
         max_out = rng.choice((1, 3, 8, 24, 64, 128))
-        pair = [s.make_request(rid, prompt, salt, max_out) for s in d.sides]
+        skip = cfg.skip_reading and rng.random() < 0.05
+        pair = [s.make_request(rid, prompt, salt, max_out, skip) for s in d.sides]
         return _Req(rid, pair[0], pair[1], max_out, enc=cfg.encoder_tokens)
 
     def preempt(v: _Req) -> None:
@@ -819,6 +909,11 @@ def run_trace(
                 lambda s, i, rid=rid: list(s.manager.get_num_common_prefix_blocks(rid)),
             )
         d.call("take_new_block_ids()", lambda s, i: list(s.manager.take_new_block_ids()))
+        d.call(
+            "make_prefix_cache_stats()",
+            lambda s, i: s.manager.make_prefix_cache_stats(),
+            _stats_tuple,
+        )
 
         # "Run the model": advance, sample, finish.
         for r, n in scheduled:
@@ -862,6 +957,3 @@ def run_trace(
     ok = d.call("final reset_prefix_cache()", lambda s, i: s.manager.reset_prefix_cache())
     assert ok, "harness bug: blocks still held after the drain"
     d.check_state()
-    if os.environ.get("KVCORE_DIFFTRACE_VERBOSE"):
-        print(cfg.name, seed, step, d.counts)
-    return d
