@@ -93,7 +93,8 @@ class TraceConfig:
         delay: Use ``delay_cache_blocks`` async loads.
         admission_gates: Use ``full_sequence_must_fit`` and ``reserved_blocks``.
         encoder_tokens: ``num_encoder_tokens`` for admissions (cross-attention).
-        salt: Give some requests a ``cache_salt``.
+        salt: Give some requests hash extras: a ``cache_salt``, a LoRA adapter, multimodal
+            features, or prompt embeddings instead of token ids.
         mamba_align_split: Apply the scheduler's block-aligned split (mamba align mode).
         log_stats: Manager ``log_stats``; prefix-cache stats are compared every step.
         skip_reading: Give some requests ``skip_reading_prefix_cache`` (MGR-6).
@@ -242,6 +243,31 @@ def _event_tuple(ev: Any) -> tuple[Any, ...]:
     return (type(ev).__name__, *(getattr(ev, n) for n in names))
 
 
+@dataclass
+class ReqSpec:
+    """Everything a request is built from; both sides get the very same objects.
+
+    Attributes:
+        rid: Request id.
+        prompt: Prompt token ids (all zeros when ``embeds`` is set).
+        max_tokens: Output tokens before the trace finishes it.
+        salt: ``cache_salt``.
+        skip: ``skip_reading_prefix_cache``.
+        lora: A reference ``LoRARequest`` (duck-typed by kvcore), or None.
+        mm: Reference ``MultiModalFeatureSpec`` objects, or None.
+        embeds: A float32 tensor of one row per prompt token, or None.
+    """
+
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    salt: str | None = None
+    skip: bool = False
+    lora: Any = None
+    mm: list[Any] | None = None
+    embeds: Any = None
+
+
 class _Side:
     """What the driver needs from one implementation."""
 
@@ -249,9 +275,7 @@ class _Side:
     manager: Any
     status: Any
 
-    def make_request(
-        self, rid: str, prompt: list[int], salt: str | None, max_tokens: int, skip: bool = False
-    ) -> Any:
+    def make_request(self, spec: ReqSpec) -> Any:
         raise NotImplementedError
 
     def free_ids(self) -> list[int]:
@@ -350,15 +374,19 @@ class ReferenceSide(_Side):
         )
         self._n = cfg.num_blocks
 
-    def make_request(
-        self, rid: str, prompt: list[int], salt: str | None, max_tokens: int, skip: bool = False
-    ) -> Any:
+    def make_request(self, spec: ReqSpec) -> Any:
+        sp = self._sampling_params(
+            max_tokens=spec.max_tokens, skip_reading_prefix_cache=spec.skip or None
+        )
         return self._request_cls(
-            rid,
-            list(prompt),
-            self._sampling_params(max_tokens=max_tokens, skip_reading_prefix_cache=skip or None),
+            spec.rid,
+            None if spec.embeds is not None else list(spec.prompt),
+            sp,
             None,
-            cache_salt=salt,
+            prompt_embeds=spec.embeds,
+            mm_features=spec.mm,
+            lora_request=spec.lora,
+            cache_salt=spec.salt,
             block_hasher=self.hasher,
         )
 
@@ -414,16 +442,17 @@ class KvcoreSide(_Side):
         )
         self._all = list(range(cfg.num_blocks))
 
-    def make_request(
-        self, rid: str, prompt: list[int], salt: str | None, max_tokens: int, skip: bool = False
-    ) -> Any:
+    def make_request(self, spec: ReqSpec) -> Any:
         return self._request_cls(
-            rid,
-            list(prompt),
-            cache_salt=salt,
-            max_tokens=max_tokens,
+            spec.rid,
+            None if spec.embeds is not None else list(spec.prompt),
+            prompt_embeds=spec.embeds,
+            mm_features=spec.mm,
+            lora_request=spec.lora,
+            cache_salt=spec.salt,
+            max_tokens=spec.max_tokens,
             block_hasher=self.hasher,
-            skip_reading_prefix_cache=skip or None,
+            skip_reading_prefix_cache=spec.skip or None,
         )
 
     def free_ids(self) -> list[int]:
@@ -597,9 +626,7 @@ class TraceDriver:
             if ro.exc is None:
                 self.fail(f"{desc}: kvcore raised", convert(self.ref, ro.value), ko.exc)
             if ko.exc is None:
-                self.fail(
-                    f"{desc}: only the reference raised", ro.exc, convert(self.kv, ko.value)
-                )
+                self.fail(f"{desc}: only the reference raised", ro.exc, convert(self.kv, ko.value))
             assert ro.exc is not None and ko.exc is not None
             if not isinstance(ko.exc, type(ro.exc)):
                 self.fail(f"{desc}: exception class", ro.exc, ko.exc)
@@ -725,6 +752,39 @@ class _Workload:
         return [self.rng.randrange(1, _VOCAB) for _ in range(n)]
 
 
+def _add_extras(rng: random.Random, spec: ReqSpec) -> None:
+    """Randomly give a request a salt, a LoRA adapter, images or prompt embeddings."""
+    n = len(spec.prompt)
+    if rng.random() < 0.08:
+        spec.salt = rng.choice(("salt-a", "salt-b"))
+    if rng.random() < 0.08:
+        from vllm.lora.request import LoRARequest
+
+        name, lora_id = rng.choice((("lora-a", 1), ("lora-b", 2)))
+        spec.lora = LoRARequest(name, lora_id, lora_path=f"/nonexistent/{name}")
+    if rng.random() < 0.08 and n > 4:
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+        feats = []
+        offset = rng.randrange(0, n // 2)
+        for _ in range(rng.randrange(1, 3)):
+            if offset >= n:
+                break
+            length = min(rng.randrange(4, 40), n - offset)
+            ident = rng.choice(("img-1", "img-2", "img-3"))
+            feats.append(
+                MultiModalFeatureSpec(None, "image", ident, PlaceholderRange(offset, length))
+            )
+            offset += length + rng.randrange(0, 20)
+        spec.mm = feats
+    elif rng.random() < 0.04:
+        import torch
+
+        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        spec.embeds = torch.randint(0, 3, (n, 4), generator=g).to(torch.float32)
+        spec.prompt = [0] * n
+
+
 def _mamba_align_split(cfg: TraceConfig, r: _Req, num_new: int, computed: int, budget: int) -> int:
     """The scheduler's block-aligned prefill split for Mamba align mode."""
     if computed < max(r.ref.num_prompt_tokens, r.num_tokens - 1):
@@ -783,12 +843,12 @@ def _run(d: TraceDriver, num_calls: int) -> None:
         nonlocal reqs_made
         reqs_made += 1
         rid = f"r{reqs_made}"
-        prompt = work.prompt()
-        salt = "salt-a" if cfg.salt and rng.random() < 0.1 else None
-        max_out = rng.choice((1, 3, 8, 24, 64, 128))
-        skip = cfg.skip_reading and rng.random() < 0.05
-        pair = [s.make_request(rid, prompt, salt, max_out, skip) for s in d.sides]
-        return _Req(rid, pair[0], pair[1], max_out, enc=cfg.encoder_tokens)
+        spec = ReqSpec(rid, work.prompt(), rng.choice((1, 3, 8, 24, 64, 128)))
+        spec.skip = cfg.skip_reading and rng.random() < 0.05
+        if cfg.salt:
+            _add_extras(rng, spec)
+        pair = [s.make_request(spec) for s in d.sides]
+        return _Req(rid, pair[0], pair[1], spec.max_tokens, enc=cfg.encoder_tokens)
 
     def preempt(v: _Req) -> None:
         d.bump("preemptions")
