@@ -74,7 +74,7 @@ class Size:
 
 SIZES = (
     Size("2000req-8192blk", 2000, 8192, max_num_seqs=128, max_num_batched_tokens=4096),
-    Size("10000req-131072blk", 10000, 131072, max_num_seqs=1024, max_num_batched_tokens=8192),
+    Size("10000req-131072blk", 10000, 131072, max_num_seqs=2048, max_num_batched_tokens=8192),
 )
 
 

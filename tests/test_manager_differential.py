@@ -29,6 +29,7 @@ from difftrace import (
     KvcoreSide,
     Mismatch,
     ReferenceSide,
+    ReqSpec,
     TraceConfig,
     run_trace,
 )
@@ -55,8 +56,8 @@ def test_kvcore_requests_hash_like_reference() -> None:
     ref, kv = ReferenceSide(cfg), KvcoreSide(cfg)
     prompt = list(range(1, 75))
     for salt in (None, "salt-1"):
-        r = ref.make_request("a", prompt, salt, 4)
-        k = kv.make_request("a", prompt, salt, 4)
+        spec = ReqSpec("a", prompt, 4, salt=salt)
+        r, k = ref.make_request(spec), kv.make_request(spec)
         assert list(k.block_hashes) == list(r.block_hashes)
         r.append_output_token_ids([7] * 20)
         k.append_output_token_ids([7] * 20)
