@@ -26,11 +26,14 @@ pytest.importorskip("vllm.v1.core.kv_cache_manager")
 
 from difftrace import (
     CONFIGS,
+    BothRaised,
+    GroupDesc,
     KvcoreSide,
     Mismatch,
     ReferenceSide,
     ReqSpec,
     TraceConfig,
+    TraceDriver,
     run_trace,
 )
 
@@ -106,3 +109,104 @@ def test_harness_detects_divergence(side: type[ReferenceSide]) -> None:
     with pytest.raises(Mismatch):
         for seed in range(3):
             run_trace(_BY_NAME["full-xxhash"], seed, CALLS, kv_side=side)
+
+
+# --- Rejections: both sides raise the same class -------------------------------------------
+
+
+def _build_error(cfg: TraceConfig, **overrides: Any) -> tuple[type | None, BaseException | None]:
+    """Build both managers for ``cfg``; return the reference's exception class and kvcore's."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, **overrides)
+    got: list[BaseException | None] = []
+    for side in (ReferenceSide, KvcoreSide):
+        try:
+            side(cfg)
+        except Exception as e:
+            got.append(e)
+        else:
+            got.append(None)
+    ref, kv = got
+    return (None if ref is None else type(ref)), kv
+
+
+_F = GroupDesc("full")
+_BAD_CONFIGS = {
+    # COORD-7: unitary with caching needs block_size == hash_block_size.
+    "unitary-bs-ne-hbs": dict(groups=(GroupDesc("full", 32),), scheduler_block_size=32),
+    # COORD-2: scheduler block size must be a multiple of every group's block size.
+    "sbs-not-multiple": dict(groups=(_F, GroupDesc("swa", 32, window=64)), num_blocks=64),
+    # COORD-9: equal specs merge, leaving a single attention group.
+    "hybrid-one-attention-group": dict(groups=(_F, _F)),
+    # COORD-9: every group's block size must be a multiple of the hash block size.
+    "hybrid-hbs-not-divisor": dict(
+        groups=(GroupDesc("full", 32), GroupDesc("swa", 16, window=32)),
+        scheduler_block_size=32,
+        hash_block_size=32,
+    ),
+    # MGR-1: negative watermark.
+    "negative-watermark": dict(watermark=-0.1),
+}
+
+
+@pytest.mark.usefixtures("hash_seed")
+@pytest.mark.parametrize("case", sorted(_BAD_CONFIGS))
+def test_bad_configuration_rejected_like_reference(case: str) -> None:
+    """Configurations the reference rejects are rejected by kvcore with a compatible class."""
+    ref_cls, kv_exc = _build_error(_BY_NAME["full"], **_BAD_CONFIGS[case])
+    assert ref_cls is not None, f"the reference accepted {case}"
+    assert isinstance(kv_exc, ref_cls), f"{case}: reference {ref_cls}, kvcore {kv_exc!r}"
+
+
+def _driver(name: str, **overrides: Any) -> TraceDriver:
+    import dataclasses
+
+    return TraceDriver(dataclasses.replace(_BY_NAME[name], **overrides), 0)
+
+
+def _pair(d: TraceDriver, rid: str, prompt: list[int]) -> Any:
+    from difftrace import _Req
+
+    spec = ReqSpec(rid, prompt, 4)
+    return _Req(rid, d.ref.make_request(spec), d.kv.make_request(spec), 4)
+
+
+@pytest.mark.usefixtures("hash_seed")
+def test_zero_new_tokens_rejected_like_reference() -> None:
+    """ALLOC-1: no new and no external tokens raises ValueError on both, nothing allocated."""
+    d = _driver("full")
+    r = _pair(d, "r", list(range(1, 40)))
+    with pytest.raises(BothRaised) as info:
+        d.allocate(r, 0)
+    assert isinstance(info.value.__cause__, ValueError)
+    d.check_state()
+    d.check("free queue", d.ref.free_ids(), d.kv.free_ids())
+
+
+@pytest.mark.usefixtures("hash_seed")
+def test_hits_for_running_request_rejected_like_reference() -> None:
+    """COORD-5: handing prefix hits to a request that already holds blocks is rejected."""
+    d = _driver("full")
+    a = _pair(d, "a", list(range(1, 50)))
+    assert d.allocate(a, 49)
+    b = _pair(d, "b", list(range(1, 50)))
+    ref_b, hits, kv_b = d.get_computed_blocks(b)
+    assert hits == 48
+    assert d.allocate(b, 1, hits, (ref_b, kv_b))
+    for r in (b.ref, b.kv):
+        r.num_computed_tokens = 49
+        r.append_output_token_ids([5])
+    with pytest.raises(BothRaised) as info:
+        d.allocate(b, 1, 0, (ref_b, kv_b))
+    assert isinstance(info.value.__cause__, AssertionError)
+
+
+@pytest.mark.usefixtures("hash_seed")
+def test_cross_attention_with_caching_rejected_like_reference() -> None:
+    """XATTN-1: cross-attention groups cannot cache blocks (ValueError on both)."""
+    d = _driver("nocache-cross", enable_caching=True)
+    r = _pair(d, "r", list(range(1, 40)))
+    with pytest.raises(BothRaised) as info:
+        d.allocate(r, 39, num_encoder_tokens=40)
+    assert isinstance(info.value.__cause__, (ValueError, NotImplementedError))
