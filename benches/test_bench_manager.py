@@ -105,9 +105,7 @@ class Conversation:
 def make_workload(size: Size, seed: int = 0) -> list[Conversation]:
     """Conversations totalling ``size.num_requests`` turns, arriving faster than served."""
     rng = random.Random(seed)
-    systems = [
-        [rng.randrange(1, VOCAB) for _ in range(rng.randrange(512, 2048))] for _ in range(8)
-    ]
+    systems = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(512, 2048))] for _ in range(8)]
     convs: list[Conversation] = []
     total = 0
     while total < size.num_requests:
@@ -117,13 +115,16 @@ def make_workload(size: Size, seed: int = 0) -> list[Conversation]:
         else:
             system = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(200, 2000))]
         turns = [
-            Turn([rng.randrange(1, VOCAB) for _ in range(rng.randrange(30, 300))],
-                 rng.randrange(16, 200))
+            Turn(
+                [rng.randrange(1, VOCAB) for _ in range(rng.randrange(30, 300))],
+                rng.randrange(16, 200),
+            )
             for _ in range(n)
         ]
         think = [rng.randrange(0, 20) for _ in range(n)]
-        convs.append(Conversation(len(convs), system, turns, arrival=1 + len(convs) // 4,
-                                  think=think))
+        convs.append(
+            Conversation(len(convs), system, turns, arrival=1 + len(convs) // 4, think=think)
+        )
         total += n
     return convs
 
@@ -364,9 +365,7 @@ def simulate(impl: Impl, size: Size, convs: list[Conversation]) -> RunResult:
                         context = list(r.all_token_ids)
                         if len(context) + 300 + 200 < size.max_model_len:
                             history[conv.cid] = context
-                            arrivals.setdefault(step + 1 + conv.think[nxt], []).append(
-                                (conv, nxt)
-                            )
+                            arrivals.setdefault(step + 1 + conv.think[nxt], []).append((conv, nxt))
                         else:
                             pending -= len(conv.turns) - nxt
             res.step_us.append(spent / 1000.0)
@@ -441,6 +440,8 @@ def _table(name: str, row: dict[str, Any]) -> str:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("size", [s.scaled(SCALE) for s in SIZES], ids=lambda s: s.name)
 def test_bench_manager(
     size: Size,

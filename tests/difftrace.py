@@ -481,6 +481,16 @@ class Mismatch(AssertionError):
     """The two implementations disagreed."""
 
 
+_OBSERVERS = (
+    "get_num_common_prefix_blocks",
+    "get_block_ids_for_computed_tokens",
+    "take_new_block_ids",
+    "make_prefix_cache_stats",
+    "new_step_starts",
+)
+"""Calls that do not count towards a trace's length."""
+
+
 class BothRaised(Exception):
     """Both implementations raised the same exception class; the trace cannot go on."""
 
@@ -575,6 +585,7 @@ class TraceDriver:
         self.kv: _Side = (kv_side or KvcoreSide)(cfg)
         self.sides = (self.ref, self.kv)
         self.ncalls = 0
+        self.nops = 0
         self.log: deque[str] = deque(maxlen=12)
         self.counts: dict[str, int] = {}
         self.both_raised: str | None = None
@@ -606,10 +617,13 @@ class TraceDriver:
             The reference's raw result.
 
         Raises:
-            Mismatch: on any difference. When both raise the same exception class, the
-                reference's exception is re-raised (the trace cannot go on).
+            Mismatch: on any difference.
+            BothRaised: when both raise the same exception class (the reference's exception
+                is its cause); the trace cannot go on.
         """
         self.ncalls += 1
+        if not desc.startswith(_OBSERVERS):
+            self.nops += 1
         self.log.append(desc)
         name = desc.split("(", 1)[0]
         self.counts[name] = self.counts.get(name, 0) + 1
@@ -652,7 +666,11 @@ class TraceDriver:
         """Comparable form of a ``KVCacheBlocks | None`` result."""
         if res is None:
             return None
-        return (res.get_block_ids(), res is side.manager.empty_kv_cache_blocks)
+        return (
+            res.get_block_ids(),
+            res is side.manager.empty_kv_cache_blocks,
+            res.get_unhashed_block_ids_all_groups(),
+        )
 
     def check_state(self) -> None:
         """Compare ref counts, keys, and the per-request views of live requests."""
@@ -807,7 +825,7 @@ def run_trace(
     num_calls: int = 300,
     kv_side: Callable[[TraceConfig], _Side] | None = None,
 ) -> TraceDriver:
-    """Run one seeded trace of about ``num_calls`` manager calls, comparing after each.
+    """Run a seeded trace of about ``num_calls`` state-changing calls, comparing after each.
 
     Returns:
         The driver (its ``counts`` tell which calls were exercised).
@@ -870,7 +888,7 @@ def _run(d: TraceDriver, num_calls: int) -> None:
         if len(work.history) > 12:
             work.history.pop(0)
 
-    while d.ncalls < num_calls:
+    while d.nops < num_calls:
         step += 1
         d.call("new_step_starts()", lambda s, i: s.manager.new_step_starts())
         for _ in range(rng.choice((0, 0, 1, 1, 2, 3))):
@@ -962,11 +980,10 @@ def _run(d: TraceDriver, num_calls: int) -> None:
             scheduled.append((r, num_new))
             budget -= num_new
 
-        if running:
-            rid = running[0].rid
+        for r in running:
             d.call(
-                f"get_num_common_prefix_blocks({rid})",
-                lambda s, i, rid=rid: list(s.manager.get_num_common_prefix_blocks(rid)),
+                f"get_num_common_prefix_blocks({r.rid})",
+                lambda s, i, rid=r.rid: list(s.manager.get_num_common_prefix_blocks(rid)),
             )
         d.call("take_new_block_ids()", lambda s, i: list(s.manager.take_new_block_ids()))
         d.call(
