@@ -56,6 +56,8 @@ class Size:
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    arrivals_per_step: int = 4
+    unique_frac: float = 0.3
     max_model_len: int = 16384
 
     def scaled(self, scale: float) -> Size:
@@ -68,13 +70,23 @@ class Size:
             max(256, round(self.num_blocks * scale)),
             max(8, round(self.max_num_seqs * scale)),
             self.max_num_batched_tokens,
+            self.arrivals_per_step,
+            self.unique_frac,
             self.max_model_len,
         )
 
 
 SIZES = (
     Size("2000req-8192blk", 2000, 8192, max_num_seqs=128, max_num_batched_tokens=4096),
-    Size("10000req-131072blk", 10000, 131072, max_num_seqs=2048, max_num_batched_tokens=8192),
+    Size(
+        "10000req-131072blk",
+        10000,
+        131072,
+        max_num_seqs=2048,
+        max_num_batched_tokens=16384,
+        arrivals_per_step=64,
+        unique_frac=0.7,
+    ),
 )
 
 
@@ -110,7 +122,7 @@ def make_workload(size: Size, seed: int = 0) -> list[Conversation]:
     total = 0
     while total < size.num_requests:
         n = min(rng.randrange(1, 7), size.num_requests - total)
-        if rng.random() < 0.7:
+        if rng.random() >= size.unique_frac:
             system = systems[min(int(rng.expovariate(0.6)), len(systems) - 1)]
         else:
             system = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(200, 2000))]
@@ -123,7 +135,13 @@ def make_workload(size: Size, seed: int = 0) -> list[Conversation]:
         ]
         think = [rng.randrange(0, 20) for _ in range(n)]
         convs.append(
-            Conversation(len(convs), system, turns, arrival=1 + len(convs) // 4, think=think)
+            Conversation(
+                len(convs),
+                system,
+                turns,
+                arrival=1 + len(convs) // size.arrivals_per_step,
+                think=think,
+            )
         )
         total += n
     return convs
