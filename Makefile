@@ -37,6 +37,7 @@ lint: install-dev ## rustfmt, clippy, ruff, mypy --strict and stubtest
 	$(PY) -m ruff check python tests benches kernels
 	$(PY) -m ruff format --check python tests benches kernels
 	$(PY) -m mypy
+	cd kernels && $(PY) -m mypy
 	$(PY) -m mypy.stubtest kvcore._native
 
 fmt: ## Format Rust and Python sources

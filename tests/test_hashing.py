@@ -102,7 +102,7 @@ def restore_none_hash() -> Iterator[None]:
     if saved is missing:
         H.__dict__.pop("NONE_HASH", None)
     else:
-        H.NONE_HASH = saved  # type: ignore[assignment]
+        H.NONE_HASH = saved
 
 
 @pytest.fixture
@@ -199,7 +199,9 @@ def test_shapes_that_take_the_python_path(name: str) -> None:
 def test_hash_4_seed_serialisation() -> None:
     """HASH-10 bytes: the seed "0" pickles to a framed SHORT_BINUNICODE, CBORs to 61 30."""
     assert pickle.dumps("0", protocol=5) == bytes.fromhex("80059505000000000000008c0130942e")
-    assert H.sha256("0") == hashlib.sha256(bytes.fromhex("80059505000000000000008c0130942e")).digest()
+    assert (
+        H.sha256("0") == hashlib.sha256(bytes.fromhex("80059505000000000000008c0130942e")).digest()
+    )
     assert H.sha256_cbor("0") == hashlib.sha256(b"\x61\x30").digest()
 
 
@@ -222,9 +224,11 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError):
         _native.hash_object("nope", 1)
     with pytest.raises(TypeError):
-        _native.hash_request_blocks("sha256", b"", None, (1, 2), 0, 1, 2)  # type: ignore[arg-type]
+        _native.hash_request_blocks("sha256", b"", None, [1, 2], 2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="block size"):
-        _native.hash_request_blocks("sha256", b"", None, [1, 2], 0, 1, 0)
+        _native.hash_request_blocks("sha256", b"", None, (1, 2), 0)
+    with pytest.raises(ValueError, match="extra keys given"):
+        _native.hash_request_blocks("sha256", b"", None, (1, 2), 1, [None])
 
 
 # --- §5.2 NONE_HASH ---------------------------------------------------------------------------
@@ -253,7 +257,7 @@ def test_hash_10_unset_seed_is_random(
         first = H.NONE_HASH
         H.init_none_hash(fn)
     assert len(first) == 32
-    assert H.NONE_HASH != first
+    assert first != H.NONE_HASH
     warned = [r for r in caplog.records if "PYTHONHASHSEED" in r.getMessage()]
     assert len(warned) == (2 if "cbor" in name else 0)
 
@@ -266,7 +270,7 @@ def test_hash_10_empty_seed_counts_as_set(
     monkeypatch.setenv("PYTHONHASHSEED", "")
     fn = H.get_hash_fn_by_name(name)
     H.init_none_hash(fn)
-    assert H.NONE_HASH == fn("")
+    assert fn("") == H.NONE_HASH
     assert len(H.NONE_HASH) == (32 if name.startswith("sha") else 16)
 
 
@@ -436,7 +440,10 @@ def test_tv_r_incremental(seed0: Callable[[str], Any]) -> None:
     for t in range(20, 33):
         r.all_token_ids.append(t)
         r.run(hasher)
-    assert r.block_hashes == [H.hash_block_tokens(fn, None, B1), H.hash_block_tokens(fn, r.block_hashes[0], B2)]
+    assert r.block_hashes == [
+        H.hash_block_tokens(fn, None, B1),
+        H.hash_block_tokens(fn, r.block_hashes[0], B2),
+    ]
     assert r.block_hashes[1].hex().startswith("4a0a393805c6d2f0")
 
 
@@ -486,7 +493,7 @@ def test_request_hasher_fallbacks(name: str, seed0: Callable[[str], Any]) -> Non
     r = Req(tokens)
     r.all_token_ids = NotAList(tokens)  # type: ignore[assignment]
     assert r.run(H.get_request_block_hasher(4, fn)) == want
-    big = [2**80] + tokens[1:]
+    big = [2**80, *tokens[1:]]
     got = Req(big).run(H.get_request_block_hasher(4, fn))
     assert got[0] == H.hash_block_tokens(fn, None, big[:4])
     assert got[0] == fn((H.NONE_HASH, tuple(big[:4]), None))

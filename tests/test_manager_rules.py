@@ -13,6 +13,7 @@ from typing import Any
 
 import cbor2
 import pytest
+
 from kvcore.blocks import KVCacheBlocks
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.coordinator import (
@@ -20,7 +21,7 @@ from kvcore.coordinator import (
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
 )
-from kvcore.errors import InvalidArgumentError, InvariantViolationError
+from kvcore.errors import InvalidArgumentError, KvcoreError
 from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcore.manager import KVCacheManager, PrefixCacheStats
 from kvcore.request import Request, RequestStatus
@@ -120,6 +121,22 @@ def queue(m: KVCacheManager) -> list[int]:
 
 def refs(m: KVCacheManager, ids: Sequence[int]) -> list[int]:
     return list(m.block_pool.get_ref_cnts(list(ids)))
+
+
+def num_cached(m: KVCacheManager, rid: str) -> int | None:
+    """STM-1's num_cached_block entry of a single-group manager, on either path."""
+    if m._native is not None:
+        n: int | None = m._native.num_cached_blocks(rid)
+        return n
+    return m.coordinator.single_type_managers[0].num_cached_block.get(rid)
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def manager_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs every test on the Rust single-group path and on the Python coordinators."""
+    monkeypatch.setattr(KVCacheManager, "use_native_fast_path", request.param == "native")
+    path: str = request.param
+    return path
 
 
 def r1to(n: int) -> list[int]:
@@ -417,7 +434,7 @@ def test_alloc_5_lookahead_slots_capped_by_max_model_len() -> None:
     r = req("a", r1to(16))
     out = m.allocate_slots(r, 16, num_lookahead_tokens=40)
     assert out is not None and out.get_block_ids() == ([1, 2, 3, 4],)
-    assert m.coordinator.single_type_managers[0].num_cached_block["a"] == 1
+    assert num_cached(m, "a") == 1
 
 
 def test_alloc_6_skipped_blocks_freed_even_when_allocation_fails() -> None:
@@ -444,13 +461,12 @@ def test_alloc_7_reserved_blocks_and_capacity() -> None:
 def test_alloc_8_identity_test_on_empty_hits() -> None:
     """ALLOC-8: a fresh empty KVCacheBlocks still registers the request (0 cached)."""
     m = make_manager(10)
-    stm = m.coordinator.single_type_managers[0]
     m.allocate_slots(req("a", r1to(10)), 10)
-    assert "a" not in stm.num_cached_block  # STM-6: shorter than a block
+    assert num_cached(m, "a") is None  # STM-6: shorter than a block
     m.allocate_slots(req("b", r1to(10)), 10, 0, KVCacheBlocks(((),)))
-    assert stm.num_cached_block["b"] == 0
+    assert num_cached(m, "b") == 0
     m.allocate_slots(req("c", r1to(10)), 10, 0, m.empty_kv_cache_blocks)
-    assert "c" not in stm.num_cached_block
+    assert num_cached(m, "c") is None
 
 
 def test_alloc_9_alloc_12_result_excludes_hits() -> None:
@@ -484,7 +500,7 @@ def test_alloc_10_alloc_11_caching_cap_and_delay() -> None:
     d = req("d", r1to(40))
     m.allocate_slots(d, 40, delay_cache_blocks=True)
     assert m.take_events() == []
-    assert "d" not in m.coordinator.single_type_managers[0].num_cached_block
+    assert num_cached(m, "d") is None
     m.cache_blocks(d, 40)
     assert len(m.take_events()) == 1
 
@@ -512,7 +528,7 @@ def test_coord_5_running_request_with_hits_raises_and_state_unchanged() -> None:
     q = queue(m)
     with pytest.raises(AssertionError):
         m.allocate_slots(r, 16, 16, KVCacheBlocks(([1],)))
-    with pytest.raises(InvariantViolationError):
+    with pytest.raises(KvcoreError):
         m.allocate_slots(r, 16, 16, KVCacheBlocks(([1],)))
     assert queue(m) == q and m.get_block_ids("b") == ([4],)
     with pytest.raises(ValueError):
@@ -649,7 +665,9 @@ def test_coord_1_selection() -> None:
     for specs in ([], [full()], [full(), swa()]):
         m = make_manager(8, specs, enable_caching=False, sbs=16, hbs=16)
         assert isinstance(m.coordinator, KVCacheCoordinatorNoPrefixCache)
-        assert m.get_num_common_prefix_blocks("x") == [0] * len(specs)
+        if specs:
+            assert m.allocate_slots(req("x", r1to(20)), 20) is not None
+        assert m.get_num_common_prefix_blocks("x") == [0] * len(specs)  # COORD-8
 
 
 def test_coord_2_divisibility_pool_and_eagle_groups() -> None:
@@ -896,3 +914,40 @@ def test_stm_4_stm_7_stm_8_swa_null_padding_and_range_removal() -> None:
     assert m.get_block_ids("b")[1][:6] == [0] * 6
     stm._remove_blocks_in_range("zzz", 0, 6)
     stm._remove_blocks_in_range("b", 6, 6)
+
+
+def test_kvb_3_on_manager_results() -> None:
+    """KVB-3 on real results: the partial tail block is unhashed; nulls are dropped per group."""
+    m = make_manager(10)
+    out = m.allocate_slots(req("a", r1to(40)), 40)
+    assert out is not None and out.get_unhashed_block_ids() == [3]
+    h = make_manager(30, [full(), swa()], max_num_batched_tokens=64)
+    h.allocate_slots(req("a", r1to(100)), 100)
+    hit, _ = h.get_computed_blocks(req("b", r1to(100)))
+    assert hit.get_unhashed_block_ids_all_groups() == [[], []]
+    assert h.get_blocks("a").get_unhashed_block_ids_all_groups() == [[7], [14]]
+
+
+def test_mgr_1_max_num_batched_tokens_defaults_to_max_model_len() -> None:
+    """MGR-1 / SWA-1: without max_num_batched_tokens the cap uses max_model_len."""
+    m = make_manager(8, [full(), swa()], max_model_len=256)
+    assert m.coordinator.single_type_managers[1]._max_admission_blocks_per_request == 17
+
+
+def test_spec_1_groups_without_manager_fail_construction() -> None:
+    """SPEC-1 through COORD-2: an encoder-only group has no manager (AssertionError)."""
+    from kvcore.specs import EncoderOnlyAttentionSpec, UniformTypeKVCacheSpecs
+
+    with pytest.raises(AssertionError):
+        make_manager(8, [EncoderOnlyAttentionSpec(block_size=16, **ATTN)])
+    with pytest.raises(AssertionError):
+        make_manager(8, [full(), UniformTypeKVCacheSpecs(16, {"a": full()})])
+
+
+def test_pool_22_no_events_when_disabled() -> None:
+    """POOL-22 via MGR-24: with events off take_events is always empty."""
+    m = make_manager(8, enable_kv_cache_events=False)
+    m.allocate_slots(req("a", r1to(40)), 40)
+    m.free(req("a", []))
+    assert m.reset_prefix_cache() is True
+    assert m.take_events() == []

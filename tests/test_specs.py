@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from kvcore.blocks import KVCacheBlocks
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec, resolve_kv_cache_block_sizes
 from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError

@@ -9,6 +9,7 @@ from kvcore._native import (
     BlockPool,
     BlockStateError,
     DoubleFreeError,
+    InvalidArgumentError,
     KVCacheBlockView,
     KvcoreError,
     NoFreeBlocksError,
@@ -16,7 +17,7 @@ from kvcore._native import (
 )
 from kvcore.blocks import KVCacheBlocks
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
+from kvcore.errors import InvalidConfigError, InvariantViolationError
 from kvcore.manager import KVCacheManager, PrefixCacheStats
 from kvcore.request import Request, RequestStatus
 from kvcore.specs import (

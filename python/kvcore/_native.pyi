@@ -3,20 +3,30 @@
 from collections.abc import Iterable, Sequence
 from typing import Any, final
 
-from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored
+from typing_extensions import disjoint_base
 
 __all__ = [
+    "AllBlocksCleared",
     "BlockIdError",
     "BlockList",
     "BlockPool",
+    "BlockRemoved",
     "BlockStateError",
+    "BlockStored",
     "DoubleFreeError",
     "InvalidArgumentError",
     "KVCacheBlockView",
+    "KVCacheEvent",
     "KvcoreError",
     "NoFreeBlocksError",
     "UnitaryFullAttention",
     "__version__",
+    "digest",
+    "encode_event_batch",
+    "hash_block_tokens",
+    "hash_object",
+    "hash_request_blocks",
+    "msgpack_encode",
 ]
 __version__: str
 
@@ -170,6 +180,33 @@ class UnitaryFullAttention:
     def num_requests(self) -> int: ...
     def is_running(self, request_id: str) -> bool: ...
     def num_cached_blocks(self, request_id: str) -> int | None: ...
+
+# --- events ---
+
+def encode_event_batch(
+    ts: float, events: list[Any] | tuple[Any, ...], data_parallel_rank: int | None = None
+) -> bytes:
+    """Encodes ``[ts, [events], data_parallel_rank]`` as msgpack (SPEC WIRE-2, WIRE-3).
+
+    Events are recognised by class name (``BlockStored``, ``BlockRemoved``,
+    ``AllBlocksCleared``); their field values may be None, bool, int, float, str, bytes,
+    bytearray, list or tuple (exact types), nested.
+
+    Raises:
+        TypeError: An unknown event class or value type, or ``events`` not a list or tuple.
+        OverflowError: An int outside ``[-2**63, 2**64 - 1]``.
+        RecursionError: Values nested more than 1000 deep.
+    """
+
+def msgpack_encode(obj: object) -> bytes:
+    """Encodes one value with the msgpack forms of SPEC WIRE-3.
+
+    Raises:
+        TypeError: A value of another type.
+        OverflowError: An int outside ``[-2**63, 2**64 - 1]``.
+        RecursionError: Values nested more than 1000 deep.
+    """
+
 # --- hashing ---
 
 def hash_object(hash_fn_name: str, obj: object) -> bytes | None:
@@ -187,10 +224,73 @@ def hash_request_blocks(
     hash_fn_name: str,
     none_hash: bytes,
     parent: bytes | None,
-    token_ids: list[int],
-    start: int,
-    num_blocks: int,
+    token_ids: tuple[int, ...],
     block_size: int,
     extras: list[tuple[object, ...] | None] | None = None,
 ) -> list[bytes] | None:
-    """Chained hashes of ``num_blocks`` windows from ``start`` (SPEC RH-1), GIL released."""
+    """Chained hashes of the full windows of ``token_ids`` (SPEC RH-1), GIL released."""
+
+@disjoint_base
+class KVCacheEvent:
+    """Base class of every KV cache event (SPEC EVT-1)."""
+
+    def __new__(cls) -> KVCacheEvent: ...
+
+@final
+class BlockStored(KVCacheEvent):
+    """Blocks entered the prefix cache (SPEC EVT-1, POOL-17, POOL-30)."""
+
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None
+    group_idx: int | None
+    kv_cache_spec_kind: str | None
+    kv_cache_spec_sliding_window: int | None
+    def __new__(
+        cls,
+        block_hashes: list[int | bytes],
+        parent_block_hash: int | bytes | None,
+        token_ids: list[int],
+        block_size: int,
+        lora_id: int | None,
+        medium: str | None,
+        lora_name: str | None,
+        extra_keys: list[tuple[Any, ...] | None] | None = None,
+        group_idx: int | None = None,
+        kv_cache_spec_kind: str | None = None,
+        kv_cache_spec_sliding_window: int | None = None,
+    ) -> BlockStored: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...
+
+@final
+class BlockRemoved(KVCacheEvent):
+    """A key left the prefix cache (SPEC EVT-1, POOL-6)."""
+
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None
+    def __new__(
+        cls,
+        block_hashes: list[int | bytes],
+        medium: str | None,
+        group_idx: int | None = None,
+    ) -> BlockRemoved: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...
+
+@final
+class AllBlocksCleared(KVCacheEvent):
+    """The whole prefix cache was cleared (SPEC EVT-1, POOL-21)."""
+
+    def __new__(cls) -> AllBlocksCleared: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...

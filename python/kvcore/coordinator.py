@@ -11,10 +11,12 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvcore._native import BlockPool
 from kvcore.errors import InvalidConfigError, InvariantViolationError
 from kvcore.single_type import (
     BlockPoolLike,
     CrossAttentionManager,
+    FullAttentionManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
@@ -58,8 +60,6 @@ def read_retention_interval() -> int | None:
 def _new_block_pool(
     num_gpu_blocks: int, enable_caching: bool, hash_block_size: int, enable_kv_cache_events: bool
 ) -> BlockPoolLike:
-    from kvcore._native import BlockPool  # type: ignore[attr-defined]
-
     pool: BlockPoolLike = BlockPool(
         num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events
     )
@@ -170,6 +170,19 @@ class KVCacheCoordinator:
             isinstance(m, CrossAttentionManager) for m in self.single_type_managers
         )
         self._has_xattn = any(self._is_xattn)
+        # Managers whose remove_skipped_blocks can do anything (STM-7, RSWA-1, MAMBA-3).
+        self._skippers = tuple(
+            m
+            for m in self.single_type_managers
+            if not (
+                type(m).remove_skipped_blocks is FullAttentionManager.remove_skipped_blocks
+                or (
+                    type(m).remove_skipped_blocks is SingleTypeKVCacheManager.remove_skipped_blocks
+                    and type(m).get_num_skipped_tokens
+                    is SingleTypeKVCacheManager.get_num_skipped_tokens
+                )
+            )
+        )
 
     def get_num_blocks_to_allocate(
         self,
@@ -306,7 +319,7 @@ class KVCacheCoordinator:
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
         """Frees blocks outside every group's attention window (MGR-22)."""
-        for m in self.single_type_managers:
+        for m in self._skippers:
             m.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
 
     def get_blocks(self, request_id: str) -> tuple[list[int], ...]:

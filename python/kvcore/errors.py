@@ -9,7 +9,7 @@ both an :class:`AssertionError` and a :class:`ValueError`.
 
 from __future__ import annotations
 
-from kvcore._native import KvcoreError
+from kvcore._native import InvalidArgumentError, KvcoreError
 
 __all__ = [
     "InvalidArgumentError",
@@ -25,10 +25,6 @@ class InvalidConfigError(KvcoreError, ValueError, AssertionError):
     The reference asserts on most of these (COORD-2, COORD-7, COORD-9, SPEC-1) and raises
     ValueError on others (CFG-2, the retention interval); this class satisfies both handlers.
     """
-
-
-class InvalidArgumentError(KvcoreError, ValueError, AssertionError):
-    """A call argument the manager rejects (negative counts, zero new tokens, ...)."""
 
 
 class InvariantViolationError(KvcoreError, AssertionError):

@@ -13,14 +13,15 @@ serialised by :mod:`pickle` or ``cbor2`` instead, so every input hashes exactly 
 reference.
 
 Example:
-    >>> import os
-    >>> os.environ["PYTHONHASHSEED"] = "0"
-    >>> init_none_hash(sha256_cbor)
-    >>> hasher = get_request_block_hasher(16, sha256_cbor)
+    >>> init_none_hash(sha256_cbor)  # set PYTHONHASHSEED to share NONE_HASH across processes
+    >>> len(hash_block_tokens(sha256_cbor, None, list(range(16))))
+    32
+    >>> hasher = get_request_block_hasher(16, sha256_cbor)  # hasher(request) -> new hashes
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -57,8 +58,9 @@ HashFunction = Callable[[Any], bytes]
 
 _PICKLE_PROTOCOL = 5
 
+_cbor2: Any
 try:
-    import cbor2 as _cbor2
+    _cbor2 = importlib.import_module("cbor2")
 except ImportError:  # pragma: no cover - cbor2 is a test dependency
     _cbor2 = None
 
@@ -296,10 +298,8 @@ def _prompt_embeds_key(request: Any, start: int, end: int) -> bytes:
     )
     if cache is None:
         cache = {}
-        try:
+        with contextlib.suppress(AttributeError):  # a request without the cache attribute
             request._prompt_embeds_per_block_hashes = cache
-        except AttributeError:
-            pass
     key = cache.get((start, end))
     if key is None:
         key = hashlib.sha256(_tensor_bytes(request.prompt_embeds[start:end])).digest()
@@ -350,6 +350,29 @@ def _may_have_extra_keys(request: Any) -> bool:
     )
 
 
+def _window_extras(
+    request: Any, start: int, end: int, hbs: int
+) -> list[tuple[Any, ...] | None] | None:
+    """Extra keys of every window in ``[start, end)`` (RH-1), or None when all are None."""
+    if not _may_have_extra_keys(request):
+        return None
+    if not request.mm_features and getattr(request, "prompt_embeds", None) is None:
+        # Only LoRA and salt: the same keys in every window, the salt in window 0 only.
+        lora = request.lora_request
+        base: tuple[Any, ...] = (lora.lora_name,) if lora else ()
+        extras: list[tuple[Any, ...] | None] = [base or None] * ((end - start) // hbs)
+        salt = request.cache_salt
+        if start == 0 and salt:
+            extras[0] = (*base, salt)
+        return extras
+    extras = []
+    mm_idx = 0 if start == 0 else -1
+    for s in range(start, end, hbs):
+        extra, mm_idx = generate_block_hash_extra_keys(request, s, s + hbs, mm_idx)
+        extras.append(extra)
+    return extras
+
+
 def get_request_block_hasher(
     hash_block_size: int, caching_hash_fn: HashFunction
 ) -> Callable[[Any], list[BlockHash]]:
@@ -378,23 +401,15 @@ def get_request_block_hasher(
         parent: bytes | None = block_hashes[-1] if block_hashes else None
         num_blocks = (num_tokens - start) // hbs
         end = start + num_blocks * hbs
-        extras: list[tuple[Any, ...] | None] | None = None
-        if _may_have_extra_keys(request):
-            extras = []
-            mm_idx = 0 if start == 0 else -1
-            for s in range(start, end, hbs):
-                extra, mm_idx = generate_block_hash_extra_keys(request, s, s + hbs, mm_idx)
-                extras.append(extra)
+        extras = _window_extras(request, start, end, hbs)
         if name is not None:
-            tokens = request.all_token_ids
-            offset = start
-            if type(tokens) is not list:
-                tokens = list(tokens[start:end])
-                offset = 0
+            all_tokens = request.all_token_ids
+            if start == 0 and type(all_tokens) is list and end == len(all_tokens):
+                tokens = tuple(all_tokens)  # one copy instead of slice + tuple
+            else:
+                tokens = tuple(all_tokens[start:end])
             none_hash = b"" if parent else _none_hash()
-            out = _native.hash_request_blocks(
-                name, none_hash, parent, tokens, offset, num_blocks, hbs, extras
-            )
+            out = _native.hash_request_blocks(name, none_hash, parent, tokens, hbs, extras)
             if out is not None:
                 return out  # type: ignore[return-value]
         new_hashes: list[BlockHash] = []

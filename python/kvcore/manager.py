@@ -12,7 +12,7 @@ Examples:
     >>> spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype="float16")
     >>> cfg = KVCacheConfig(10, [], [KVCacheGroupSpec(["l0"], spec)])
     >>> mgr = KVCacheManager(cfg, max_model_len=1024, scheduler_block_size=16,
-    ...                      hash_block_size=16)
+    ...                      hash_block_size=16, enable_caching=False)
     >>> mgr.allocate_slots(Request("r1", list(range(40))), 40).get_block_ids()
     ([1, 2, 3],)
 """
@@ -22,14 +22,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from kvcore.blocks import KVCacheBlocks
-from kvcore.coordinator import get_kv_cache_coordinator
+from kvcore.coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
 from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
 from kvcore.events import BlockStored, KVCacheEvent
 from kvcore.request import RequestStatus
-from kvcore.single_type import FullAttentionManager
+from kvcore.single_type import FullAttentionManager, SingleTypeKVCacheManager
 from kvcore.specs import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -46,6 +46,7 @@ __all__ = ["KVCacheManager", "PrefixCacheStats"]
 
 logger = logging.getLogger(__name__)
 
+_NOT_RUNNING = object()
 _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
 
@@ -93,6 +94,11 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Allocates and frees KV cache blocks for requests (SPEC §8).
 
+    With a single full-attention group (the common case) the per-request calls run in Rust
+    (``kvcore._native.UnitaryFullAttention``); other configurations run the Python
+    coordinators of :mod:`kvcore.coordinator`. Set the class attribute
+    ``use_native_fast_path = False`` before construction to force the Python path.
+
     Attributes:
         max_model_len: Longest sequence.
         enable_caching: Whether prefix caching is on.
@@ -107,6 +113,9 @@ class KVCacheManager:
         kv_cache_event_metadata: Per group, the event kind and window (MGR-4).
         empty_kv_cache_blocks: The shared empty result (MGR-3).
     """
+
+    use_native_fast_path: ClassVar[bool] = True
+    """Route a single full-attention group to the Rust manager (see the class docs)."""
 
     def __init__(
         self,
@@ -184,12 +193,46 @@ class KVCacheManager:
         )
         self._empty_blocks = self.empty_kv_cache_blocks.blocks
         managers = self.coordinator.single_type_managers
-        # Decode fast path: one plain full-attention group (the common case).
-        self._fast = (
+        single_full = (
             managers[0]
-            if len(managers) == 1 and (type(managers[0]) is FullAttentionManager)
+            if len(managers) == 1 and type(managers[0]) is FullAttentionManager
             else None
         )
+        # Decode fast path over groups that keep the base allocation and caching rules.
+        base = SingleTypeKVCacheManager
+        simple = all(
+            type(m).get_num_blocks_to_allocate is base.get_num_blocks_to_allocate
+            and type(m).allocate_new_blocks is base.allocate_new_blocks
+            and type(m).cache_blocks is base.cache_blocks
+            for m in managers
+        )
+        coordinator = self.coordinator
+        self._hybrid_sbs = (
+            coordinator.scheduler_block_size
+            if isinstance(coordinator, HybridKVCacheCoordinator)
+            else 0
+        )
+        self._retention = coordinator.retention_interval
+        self._skippers = coordinator._skippers
+        self._decode_groups: tuple[
+            tuple[SingleTypeKVCacheManager, int, dict[str, int], dict[str, list[int]], int], ...
+        ] = (
+            tuple(
+                (
+                    m,
+                    m.block_size,
+                    m.num_cached_block,
+                    m.req_to_blocks,
+                    m.block_size if self._hybrid_sbs and m.use_eagle else 0,
+                )
+                for m in managers
+            )
+            if simple and managers
+            else ()
+        )
+        self._native: Any = None
+        if single_full is not None and self.use_native_fast_path:
+            self._install_native(single_full)
         self._clip_sizes = tuple(
             g.kv_cache_spec.block_size
             if isinstance(g.kv_cache_spec, AttentionSpec)
@@ -197,6 +240,44 @@ class KVCacheManager:
             else None
             for g in kv_cache_config.kv_cache_groups
         )
+
+    def _install_native(self, stm: FullAttentionManager) -> None:
+        """Routes the per-request calls of a single full-attention group to Rust.
+
+        ``kvcore._native.UnitaryFullAttention`` owns the request state of that configuration
+        and answers each call in one boundary crossing. Its bound methods replace this
+        instance's methods, so a call costs no Python frame of its own. The Python coordinator
+        stays for construction checks and the pool; its managers then hold no requests.
+        """
+        from kvcore._native import BlockPool, UnitaryFullAttention
+
+        native = UnitaryFullAttention(
+            cast(BlockPool, self.block_pool),
+            stm.block_size,
+            stm._records_new_ids,
+            self.max_model_len,
+            self.watermark_blocks,
+            stm.use_eagle,
+            KVCacheBlocks,
+            self.empty_kv_cache_blocks,
+        )
+        self._native = native
+        names = [
+            "allocate_slots",
+            "free",
+            "pop_blocks_for_free",
+            "get_blocks",
+            "get_block_ids",
+            "get_block_ids_for_computed_tokens",
+            "take_new_block_ids",
+        ]
+        if self.enable_caching:
+            # COORD-8: without caching the count is always 0, which the Python path returns.
+            names.append("get_num_common_prefix_blocks")
+        if not self.log_stats:
+            names.append("get_computed_blocks")
+        for name in names:
+            setattr(self, name, getattr(native, name))
 
     @property
     def usage(self) -> float:
@@ -227,6 +308,12 @@ class KVCacheManager:
         Returns:
             The hit blocks and the number of hit tokens.
         """
+        if self._native is not None:
+            found: tuple[KVCacheBlocks, int] = self._native.get_computed_blocks(request)
+            stats = self.prefix_cache_stats
+            if stats is not None and self.enable_caching and not request.skip_reading_prefix_cache:
+                stats.record(request.num_tokens, found[1], request.num_preemptions > 0)
+            return found
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         num_tokens = request.num_tokens
@@ -312,33 +399,12 @@ class KVCacheManager:
         if need_slot > max_model_len:
             need_slot = max_model_len
 
-        fast = self._fast
-        if (
-            fast is not None
-            and ncb is empty
-            and not ext
-            and not full_sequence_must_fit
-            and request_id in fast.num_cached_block
-        ):
-            # Decode fast path: a running request in one full-attention group. Skipping
-            # remove_skipped_blocks is exact (full attention skips nothing); the rest is
-            # ALLOC-7/9/11 inlined.
-            blocks = fast.req_to_blocks[request_id]
-            n = -(-need_slot // fast.block_size) - len(blocks)
-            if n < 0:
-                n = 0
-            if (n or wm or reserved_blocks) and (
-                n + wm > self.block_pool.get_num_free_blocks() - reserved_blocks
-            ):
-                return None
-            new: list[int] = fast.allocate_new_blocks(request_id, need_slot, main) if n else []
-            if self.enable_caching and not delay_cache_blocks:
-                to_cache = main if main < request.num_tokens else request.num_tokens
-                if fast.num_cached_block[request_id] < to_cache // fast.block_size:
-                    fast.cache_blocks(request, to_cache)
-            if new:
-                return KVCacheBlocks((new,), self.block_pool)
-            return self.empty_kv_cache_blocks
+        if ncb is empty and not ext and not full_sequence_must_fit and self._decode_groups:
+            out = self._allocate_running(
+                request, request_id, total, main, need_slot, wm, reserved_blocks, delay_cache_blocks
+            )
+            if out is not _NOT_RUNNING:
+                return out  # type: ignore[return-value]
 
         coordinator = self.coordinator
         if full_sequence_must_fit:
@@ -366,6 +432,81 @@ class KVCacheManager:
             num_tokens = request.num_tokens
             coordinator.cache_blocks(request, main if main < num_tokens else num_tokens)
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _allocate_running(
+        self,
+        request: Request,
+        request_id: str,
+        total: int,
+        main: int,
+        need_slot: int,
+        wm: int,
+        reserved_blocks: int,
+        delay_cache_blocks: bool,
+    ) -> KVCacheBlocks | object | None:
+        """ALLOC-6..12 for a request running in every group, without hits or external tokens.
+
+        Exact for managers that keep the base STM-2/STM-3/STM-6 (all but Mamba and
+        cross-attention): STM-2's running branch reduces to ``max(cdiv(n, bs) - held, 0)``,
+        the groups' STM-3 allocations are popped in one pool call and split in group order
+        (the same blocks, evictions and events as one call per group), and STM-6 is called only
+        for groups with newly full blocks (it returns early for the others).
+
+        Returns:
+            As :meth:`allocate_slots`, or ``_NOT_RUNNING`` when some group does not list the
+            request as running (the caller then takes the general path).
+        """
+        groups = self._decode_groups
+        for _m, _bs, cached, _tables, _eagle in groups:
+            if request_id not in cached:
+                return _NOT_RUNNING
+        for skipper in self._skippers:
+            skipper.remove_skipped_blocks(request_id, total, request.num_prompt_tokens)
+        need = 0
+        for _m, bs, _cached, tables, _eagle in groups:
+            n = -(-need_slot // bs) - len(tables[request_id])
+            if n > 0:
+                need += n
+        pool = self.block_pool
+        if (need or wm or reserved_blocks) and (
+            need + wm > pool.get_num_free_blocks() - reserved_blocks
+        ):
+            return None
+        result: KVCacheBlocks = self.empty_kv_cache_blocks
+        if need:
+            fresh = pool.get_new_blocks(need)
+            per_group: list[list[int]] = []
+            pos = 0
+            for m, bs, _cached, tables, _eagle in groups:
+                blocks = tables[request_id]
+                n = -(-need_slot // bs) - len(blocks)
+                if n > 0:
+                    chunk = fresh if n == need else fresh[pos : pos + n]
+                    pos += n
+                    blocks.extend(chunk)
+                    if m._records_new_ids:
+                        m.new_block_ids.extend(chunk)
+                    per_group.append(chunk)
+                else:
+                    per_group.append([])
+            result = KVCacheBlocks(tuple(per_group), pool)
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens = request.num_tokens
+            to_cache = main if main < num_tokens else num_tokens
+            sbs = self._hybrid_sbs
+            if sbs:
+                aligned = to_cache // sbs * sbs
+                for m, bs, cached, _tables, eagle_bs in groups:
+                    n = aligned
+                    if eagle_bs and aligned > 0:
+                        n = min(to_cache, aligned + eagle_bs)
+                    if cached[request_id] < n // bs:
+                        m.cache_blocks(request, n, self._retention)
+            else:
+                for m, bs, cached, _tables, _eagle in groups:
+                    if cached[request_id] < to_cache // bs:
+                        m.cache_blocks(request, to_cache, self._retention)
+        return result
 
     def _check_new_computed_blocks(self, request_id: str, ncb: tuple[Sequence[int], ...]) -> None:
         """Rejects hits of the wrong shape, or for a running request, before any mutation."""
@@ -504,7 +645,10 @@ class KVCacheManager:
             num_computed_tokens: Tokens to cover, cached ones included.
         """
         if self.enable_caching:
-            self.coordinator.cache_blocks(request, num_computed_tokens)
+            if self._native is not None:
+                self._native.cache_blocks(request, num_computed_tokens)
+            else:
+                self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[int], ...]) -> KVCacheBlocks:
         """Wraps per-group ids; the shared empty instance when all are empty (MGR-3).

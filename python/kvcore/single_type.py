@@ -11,7 +11,6 @@ The manager class of a spec is found along the spec's class hierarchy (SPEC-1, s
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -107,6 +106,20 @@ class BlockPoolLike(Protocol):
         """Primary keys of the given blocks."""
         ...
 
+    def count_evictable(self, block_ids: list[int]) -> int:
+        """How many of the given blocks sit in the free queue (ref 0, not null)."""
+        ...
+
+    def longest_cached_prefix(
+        self,
+        block_hashes: Sequence[bytes],
+        max_num_blocks: int,
+        kv_cache_group_ids: list[int],
+        stride: int = 1,
+    ) -> list[list[int]]:
+        """FA-1's left-to-right walk in one call: hits per group up to the first miss."""
+        ...
+
     def get_usage(self) -> float:
         """Fraction of non-null blocks in use (POOL-3)."""
         ...
@@ -199,10 +212,8 @@ class SingleTypeKVCacheManager:
         """Counts the blocks that sit in the free queue (``ref_cnt == 0``, not null)."""
         if not block_ids:
             return 0
-        null = self._null_block
         ids = block_ids if isinstance(block_ids, list) else list(block_ids)
-        refs = self.block_pool.get_ref_cnts(ids)
-        return sum(1 for b, r in zip(ids, refs, strict=True) if r == 0 and b != null)
+        return self.block_pool.count_evictable(ids)
 
     def get_num_blocks_to_allocate(
         self,
@@ -532,30 +543,25 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             raise InvariantViolationError(
                 "FullAttentionManager serves full and chunked-local attention specs only"
             )
-        computed: HitBlocks = tuple([] for _ in kv_cache_group_ids)
         block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
         max_blocks = max_length // block_size
-        get_cached = block_pool.get_cached_block
-        if len(kv_cache_group_ids) == 1:
-            out = computed[0]
-            for h in itertools.islice(block_hashes, max_blocks):
-                hit = get_cached(h, kv_cache_group_ids)
-                if not hit:
-                    break
-                out.append(hit[0])
-        else:
-            for h in itertools.islice(block_hashes, max_blocks):
-                hit = get_cached(h, kv_cache_group_ids)
-                if not hit:
-                    break
-                for c, b in zip(computed, hit, strict=False):
-                    c.append(b)
+        computed: HitBlocks = (
+            tuple(block_pool.longest_cached_prefix(block_hashes, max_blocks, kv_cache_group_ids))
+            if max_blocks > 0
+            else tuple([] for _ in kv_cache_group_ids)
+        )
         if drop_eagle_block and computed and computed[0]:
             _pop_all(computed)
         if computed and block_size != alignment_tokens:
             while len(computed[0]) * block_size % alignment_tokens:
                 _pop_all(computed)
         return computed
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Full attention skips nothing (STM-7 with STM-9's zero)."""
+        return None
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks whose ref count equals the number of tracked requests (FA-2)."""
@@ -615,12 +621,10 @@ class SinkFullAttentionManager(FullAttentionManager):
             raise InvalidConfigError(
                 f"sink_len={sink_len} must be a positive multiple of block_size={self.block_size}"
             )
-        n = sink_len // self.block_size
-        reserve = getattr(self.block_pool, "reserve_sink_blocks", None)
-        if reserve is not None:
-            self.sink_blocks: list[int] = list(reserve(n))
-        else:
-            self.sink_blocks = self.block_pool.get_new_blocks(n)
+        # The pool has no "off the queue at ref 0" state, so the sink blocks are taken as
+        # ordinary allocations: out of the queue for good, counted as used (ref_cnt 1, where
+        # the intended design leaves 0).
+        self.sink_blocks: list[int] = self.block_pool.get_new_blocks(sink_len // self.block_size)
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -740,6 +744,21 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             for i in range(max(start_block, prompt_end - need), min(end_block, prompt_end)):
                 mask[i - start_block] = True
         return mask
+
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """STM-7 with SWA-2, returning early when the last skipped block is already null."""
+        num_skipped = total_computed_tokens - self.sliding_window + 1
+        if num_skipped <= 0:
+            return
+        blocks = self.req_to_blocks[request_id]
+        n = num_skipped // self.block_size
+        if n > len(blocks):
+            n = len(blocks)
+        # STM-8 walks back from n-1 and stops at the first null: nothing to do then.
+        if n > 0 and blocks[n - 1] != self._null_block:
+            self._remove_blocks_in_range(request_id, 0, n)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the window (SWA-2)."""

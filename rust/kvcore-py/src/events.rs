@@ -11,12 +11,20 @@ const MEDIUM_GPU: &str = "GPU";
 /// Reads `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` the way the reference does (SPEC EVT-2): unset
 /// means `"1"`; the value is parsed by Python's `int()` (so `"true"` raises ValueError).
 fn use_int_hashes(py: Python<'_>) -> PyResult<bool> {
-    let os = py.import("os")?;
-    let raw = os
-        .getattr("environ")?
-        .call_method1("get", ("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1"))?;
-    let as_int = py.import("builtins")?.getattr("int")?.call1((raw,))?;
-    as_int.is_truthy()
+    // The process environment is what `os.environ` writes through to (putenv).
+    match std::env::var("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES") {
+        Err(std::env::VarError::NotPresent) => Ok(true),
+        Ok(v) if v == "1" => Ok(true),
+        Ok(v) if v == "0" => Ok(false),
+        _ => {
+            let os = py.import("os")?;
+            let raw = os
+                .getattr("environ")?
+                .call_method1("get", ("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1"))?;
+            let as_int = py.import("builtins")?.getattr("int")?.call1((raw,))?;
+            as_int.is_truthy()
+        }
+    }
 }
 
 fn external_hash(py: Python<'_>, h: &BlockHash, as_int: bool) -> PyResult<PyObject> {
@@ -44,19 +52,273 @@ pub fn value_to_py(py: Python<'_>, v: &Value) -> PyResult<PyObject> {
     })
 }
 
-/// Converts drained core events into a Python list of `kvcore.events` objects.
+/// Base class of every KV cache event (SPEC EVT-1).
+#[pyclass(module = "kvcore._native", name = "KVCacheEvent", subclass)]
+pub struct KVCacheEvent;
+
+#[pymethods]
+impl KVCacheEvent {
+    #[new]
+    fn new() -> Self {
+        Self
+    }
+}
+
+/// Compares two events field by field with Python equality.
+fn fields_eq(py: Python<'_>, a: &[&PyObject], b: &[&PyObject]) -> PyResult<bool> {
+    for (x, y) in a.iter().zip(b) {
+        if !x.bind(py).eq(y.bind(py))? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// `tuple(x)` for lists (hashable form), `x` otherwise.
+fn hashable<'py>(py: Python<'py>, x: &PyObject) -> PyResult<Bound<'py, PyAny>> {
+    let b = x.bind(py);
+    Ok(match b.downcast::<PyList>() {
+        Ok(l) => l.to_tuple().into_any(),
+        Err(_) => b.clone(),
+    })
+}
+
+fn field_repr(py: Python<'_>, names: &[&str], values: &[&PyObject]) -> PyResult<String> {
+    let mut parts = Vec::with_capacity(names.len());
+    for (n, v) in names.iter().zip(values) {
+        parts.push(format!("{n}={}", v.bind(py).repr()?));
+    }
+    Ok(parts.join(", "))
+}
+
+/// Blocks entered the prefix cache (SPEC EVT-1, POOL-17, POOL-30).
+///
+/// Fields follow the reference's order; the manager sets the two `kv_cache_spec_*` fields.
+#[pyclass(module = "kvcore._native", name = "BlockStored", extends = KVCacheEvent, get_all, set_all)]
+pub struct BlockStored {
+    block_hashes: PyObject,
+    parent_block_hash: PyObject,
+    token_ids: PyObject,
+    block_size: PyObject,
+    lora_id: PyObject,
+    medium: PyObject,
+    lora_name: PyObject,
+    extra_keys: PyObject,
+    group_idx: PyObject,
+    kv_cache_spec_kind: PyObject,
+    kv_cache_spec_sliding_window: PyObject,
+}
+
+const STORED_FIELDS: [&str; 11] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+];
+
+impl BlockStored {
+    fn values(&self) -> [&PyObject; 11] {
+        [
+            &self.block_hashes,
+            &self.parent_block_hash,
+            &self.token_ids,
+            &self.block_size,
+            &self.lora_id,
+            &self.medium,
+            &self.lora_name,
+            &self.extra_keys,
+            &self.group_idx,
+            &self.kv_cache_spec_kind,
+            &self.kv_cache_spec_sliding_window,
+        ]
+    }
+}
+
+#[pymethods]
+impl BlockStored {
+    #[new]
+    #[pyo3(signature = (block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys = None, group_idx = None, kv_cache_spec_kind = None, kv_cache_spec_sliding_window = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        block_hashes: PyObject,
+        parent_block_hash: PyObject,
+        token_ids: PyObject,
+        block_size: PyObject,
+        lora_id: PyObject,
+        medium: PyObject,
+        lora_name: PyObject,
+        extra_keys: Option<PyObject>,
+        group_idx: Option<PyObject>,
+        kv_cache_spec_kind: Option<PyObject>,
+        kv_cache_spec_sliding_window: Option<PyObject>,
+    ) -> (Self, KVCacheEvent) {
+        let or_none = |o: Option<PyObject>| o.unwrap_or_else(|| py.None());
+        (
+            Self {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+                lora_name,
+                extra_keys: or_none(extra_keys),
+                group_idx: or_none(group_idx),
+                kv_cache_spec_kind: or_none(kv_cache_spec_kind),
+                kv_cache_spec_sliding_window: or_none(kv_cache_spec_sliding_window),
+            },
+            KVCacheEvent,
+        )
+    }
+
+    fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match other.downcast::<Self>() {
+            Ok(o) => fields_eq(py, &self.values(), &o.borrow().values()),
+            Err(_) => Ok(false),
+        }
+    }
+
+    fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
+        let mut items = Vec::with_capacity(11);
+        for (i, v) in self.values().into_iter().enumerate() {
+            // extra_keys hashes as a tuple when non-empty, else None (as the dataclass did).
+            if i == 7 && !v.bind(py).is_truthy()? {
+                items.push(py.None().into_bound(py));
+            } else {
+                items.push(hashable(py, v)?);
+            }
+        }
+        PyTuple::new(py, items)?.hash()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "BlockStored({})",
+            field_repr(py, &STORED_FIELDS, &self.values())?
+        ))
+    }
+
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<(PyObject, Py<PyTuple>)> {
+        let py = slf.py();
+        let me = slf.borrow();
+        let args = PyTuple::new(py, me.values())?;
+        Ok((slf.get_type().into_any().unbind(), args.unbind()))
+    }
+}
+
+/// A key left the prefix cache (SPEC EVT-1, POOL-6).
+#[pyclass(module = "kvcore._native", name = "BlockRemoved", extends = KVCacheEvent, get_all, set_all)]
+pub struct BlockRemoved {
+    block_hashes: PyObject,
+    medium: PyObject,
+    group_idx: PyObject,
+}
+
+impl BlockRemoved {
+    fn values(&self) -> [&PyObject; 3] {
+        [&self.block_hashes, &self.medium, &self.group_idx]
+    }
+}
+
+#[pymethods]
+impl BlockRemoved {
+    #[new]
+    #[pyo3(signature = (block_hashes, medium, group_idx = None))]
+    fn new(
+        py: Python<'_>,
+        block_hashes: PyObject,
+        medium: PyObject,
+        group_idx: Option<PyObject>,
+    ) -> (Self, KVCacheEvent) {
+        (
+            Self {
+                block_hashes,
+                medium,
+                group_idx: group_idx.unwrap_or_else(|| py.None()),
+            },
+            KVCacheEvent,
+        )
+    }
+
+    fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match other.downcast::<Self>() {
+            Ok(o) => fields_eq(py, &self.values(), &o.borrow().values()),
+            Err(_) => Ok(false),
+        }
+    }
+
+    fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
+        let items = self
+            .values()
+            .into_iter()
+            .map(|v| hashable(py, v))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, items)?.hash()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "BlockRemoved({})",
+            field_repr(py, &["block_hashes", "medium", "group_idx"], &self.values())?
+        ))
+    }
+
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<(PyObject, Py<PyTuple>)> {
+        let py = slf.py();
+        let args = PyTuple::new(py, slf.borrow().values())?;
+        Ok((slf.get_type().into_any().unbind(), args.unbind()))
+    }
+}
+
+/// The whole prefix cache was cleared (SPEC EVT-1, POOL-21).
+#[pyclass(module = "kvcore._native", name = "AllBlocksCleared", extends = KVCacheEvent)]
+pub struct AllBlocksCleared;
+
+#[pymethods]
+impl AllBlocksCleared {
+    #[new]
+    fn new() -> (Self, KVCacheEvent) {
+        (Self, KVCacheEvent)
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.is_instance_of::<Self>()
+    }
+
+    fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
+        "AllBlocksCleared".into_pyobject(py)?.hash()
+    }
+
+    fn __repr__(&self) -> &'static str {
+        "AllBlocksCleared()"
+    }
+
+    fn __reduce__(slf: &Bound<'_, Self>) -> PyResult<(PyObject, Py<PyTuple>)> {
+        Ok((
+            slf.get_type().into_any().unbind(),
+            PyTuple::empty(slf.py()).unbind(),
+        ))
+    }
+}
+
+/// Converts drained core events into a Python list of event objects.
 pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>) -> PyResult<Py<PyList>> {
     let out = PyList::empty(py);
     if events.is_empty() {
         return Ok(out.unbind());
     }
-    let module = py.import("kvcore.events")?;
     let as_int = use_int_hashes(py)?;
-    let stored_cls = module.getattr("BlockStored")?;
-    let removed_cls = module.getattr("BlockRemoved")?;
-    let cleared_cls = module.getattr("AllBlocksCleared")?;
+    let medium: PyObject = MEDIUM_GPU.into_pyobject(py)?.into_any().unbind();
     for ev in events {
-        let obj = match ev {
+        let obj: PyObject = match ev {
             KvEvent::BlockStored {
                 block_hashes,
                 parent_block_hash,
@@ -85,26 +347,54 @@ pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>) -> PyResult<Py<PyList>
                         PyList::new(py, items)?.into_any().unbind()
                     }
                 };
-                stored_cls.call1((
-                    PyList::new(py, hashes)?,
-                    parent,
-                    PyList::new(py, &meta.token_ids)?,
-                    block_size,
-                    meta.lora_id,
-                    MEDIUM_GPU,
-                    meta.lora_name.as_deref(),
-                    extra,
-                    group_idx,
-                ))?
+                let opt = |v: Option<PyObject>| v.unwrap_or_else(|| py.None());
+                let stored = BlockStored {
+                    block_hashes: PyList::new(py, hashes)?.into_any().unbind(),
+                    parent_block_hash: parent,
+                    token_ids: PyList::new(py, &meta.token_ids)?.into_any().unbind(),
+                    block_size: block_size.into_pyobject(py)?.into_any().unbind(),
+                    lora_id: opt(meta
+                        .lora_id
+                        .map(|v| v.into_pyobject(py).map(|o| o.into_any().unbind()))
+                        .transpose()?),
+                    medium: medium.clone_ref(py),
+                    lora_name: opt(meta
+                        .lora_name
+                        .as_deref()
+                        .map(|v| v.into_pyobject(py).map(|o| o.into_any().unbind()))
+                        .transpose()?),
+                    extra_keys: extra,
+                    group_idx: group_idx.into_pyobject(py)?.into_any().unbind(),
+                    kv_cache_spec_kind: py.None(),
+                    kv_cache_spec_sliding_window: py.None(),
+                };
+                Py::new(
+                    py,
+                    PyClassInitializer::from(KVCacheEvent).add_subclass(stored),
+                )?
+                .into_any()
             }
             KvEvent::BlockRemoved {
                 block_hash,
                 group_idx,
             } => {
                 let h = external_hash(py, &block_hash, as_int)?;
-                removed_cls.call1((PyList::new(py, [h])?, MEDIUM_GPU, group_idx))?
+                let removed = BlockRemoved {
+                    block_hashes: PyList::new(py, [h])?.into_any().unbind(),
+                    medium: medium.clone_ref(py),
+                    group_idx: group_idx.into_pyobject(py)?.into_any().unbind(),
+                };
+                Py::new(
+                    py,
+                    PyClassInitializer::from(KVCacheEvent).add_subclass(removed),
+                )?
+                .into_any()
             }
-            KvEvent::AllBlocksCleared => cleared_cls.call0()?,
+            KvEvent::AllBlocksCleared => Py::new(
+                py,
+                PyClassInitializer::from(KVCacheEvent).add_subclass(AllBlocksCleared),
+            )?
+            .into_any(),
         };
         out.append(obj)?;
     }

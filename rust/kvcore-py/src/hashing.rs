@@ -111,14 +111,15 @@ impl Converter {
     }
 }
 
-/// Token ids `[start, end)` of a list of exact ints, or `None` if any is not a 64-bit int.
-fn tokens_of(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
-    if end > list.len() {
-        return None;
-    }
-    let mut out = Vec::with_capacity(end - start);
-    for i in start..end {
-        let item = list.get_item(i).ok()?;
+/// Token ids of a tuple of exact ints, or `None` if any is not a 64-bit int.
+///
+/// Items are read borrowed (no reference-count traffic): this loop is most of the cost of
+/// hashing a prompt.
+fn tokens_of(tuple: &Bound<'_, PyTuple>) -> Option<Vec<i64>> {
+    let n = tuple.len();
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let item = tuple.get_borrowed_item(i).ok()?;
         if !item.is_exact_instance_of::<PyInt>() {
             return None;
         }
@@ -127,22 +128,13 @@ fn tokens_of(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i
     Some(out)
 }
 
-/// Token ids of any sequence of exact ints.
+/// Token ids of a list or tuple of exact ints.
 fn tokens_any(obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
-    if let Ok(list) = obj.downcast_exact::<PyList>() {
-        return tokens_of(list, 0, list.len());
+    if let Ok(tuple) = obj.downcast_exact::<PyTuple>() {
+        return tokens_of(tuple);
     }
-    let tuple = obj.downcast_exact::<PyTuple>().ok()?;
-    tuple
-        .iter()
-        .map(|x| {
-            if x.is_exact_instance_of::<PyInt>() {
-                x.extract::<i64>().ok()
-            } else {
-                None
-            }
-        })
-        .collect()
+    let list = obj.downcast_exact::<PyList>().ok()?;
+    tokens_of(&list.to_tuple())
 }
 
 fn py_hash<'py>(py: Python<'py>, h: &BlockHash) -> Bound<'py, PyBytes> {
@@ -209,22 +201,19 @@ pub fn hash_block_tokens<'py>(
         .map(|h| py_hash(py, &h)))
 }
 
-/// Hashes the `num_blocks` windows of `block_size` tokens of `token_ids` starting at `start`
-/// as a chain from `parent` (SPEC RH-1), in one call with the GIL released.
+/// Hashes the windows of `block_size` tokens of `token_ids` (a tuple whose length is a multiple
+/// of `block_size`) as a chain from `parent` (SPEC RH-1), in one call with the GIL released.
 ///
 /// `extras` is `None` (no window has extra keys) or one `tuple | None` per window. Returns
 /// `None` when an argument needs the Python serialiser.
 #[pyfunction]
-#[pyo3(signature = (hash_fn_name, none_hash, parent, token_ids, start, num_blocks, block_size, extras=None))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (hash_fn_name, none_hash, parent, token_ids, block_size, extras=None))]
 pub fn hash_request_blocks<'py>(
     py: Python<'py>,
     hash_fn_name: &str,
-    none_hash: Vec<u8>,
+    none_hash: &[u8],
     parent: &Bound<'py, PyAny>,
-    token_ids: &Bound<'py, PyList>,
-    start: usize,
-    num_blocks: usize,
+    token_ids: &Bound<'py, PyTuple>,
     block_size: usize,
     extras: Option<&Bound<'py, PyList>>,
 ) -> PyResult<Option<Bound<'py, PyList>>> {
@@ -239,39 +228,44 @@ pub fn hash_request_blocks<'py>(
     } else {
         return Ok(None);
     };
-    let Some(end) = num_blocks
-        .checked_mul(block_size)
-        .and_then(|n| n.checked_add(start))
-    else {
+    let Some(tokens) = tokens_of(token_ids) else {
         return Ok(None);
     };
-    let Some(tokens) = tokens_of(token_ids, start, end) else {
-        return Ok(None);
-    };
-    let extras: Option<Vec<Option<Vec<Value>>>> = match extras {
-        None => None,
-        Some(list) => {
-            let mut out = Vec::with_capacity(list.len());
-            for (i, e) in list.iter().enumerate() {
-                let mut conv = Converter::new(f);
-                if i == 0 && !parent.is_none() {
-                    conv.note(parent);
-                }
-                let Some(x) = conv.extra(&e) else {
-                    return Ok(None);
-                };
-                out.push(x);
+    // Distinct extra-key tuples (consecutive windows usually share one object), converted once.
+    let mut converted: Vec<Option<Vec<Value>>> = Vec::new();
+    let mut which: Vec<usize> = Vec::new();
+    if let Some(list) = extras {
+        which.reserve(list.len());
+        let mut last_addr = 0usize;
+        for (i, e) in list.iter().enumerate() {
+            let addr = e.as_ptr() as usize;
+            if i > 0 && addr == last_addr {
+                which.push(converted.len() - 1);
+                continue;
             }
-            Some(out)
+            let mut conv = Converter::new(f);
+            if i == 0 && !parent.is_none() {
+                conv.note(parent);
+            }
+            let Some(x) = conv.extra(&e) else {
+                return Ok(None);
+            };
+            converted.push(x);
+            which.push(converted.len() - 1);
+            last_addr = addr;
         }
-    };
+    }
+    let has_extras = extras.is_some();
+    let none_hash = none_hash.to_vec();
     let result = py.allow_threads(move || {
+        let per_block: Vec<Option<&[Value]>> =
+            which.iter().map(|&k| converted[k].as_deref()).collect();
         let mut hasher = BlockHasher::new(f, &none_hash);
         hasher.hash_blocks(
             parent_bytes.as_deref(),
             &tokens,
             block_size,
-            extras.as_deref(),
+            has_extras.then_some(per_block.as_slice()),
         )
     });
     match result {

@@ -8,9 +8,10 @@ use pyo3::prelude::*;
 
 mod errors;
 mod events;
-mod manager;
-mod pool;
 mod hashing;
+mod manager;
+mod msgpack;
+mod pool;
 
 /// The extension module.
 #[pymodule]
@@ -22,6 +23,14 @@ mod _native {
 
     #[pymodule_export]
     use super::manager::PyUnitaryFullAttention;
+
+    #[pymodule_export]
+    use super::events::{AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent};
+
+    #[pymodule_export]
+    use super::msgpack::encode_event_batch;
+    #[pymodule_export]
+    use super::msgpack::msgpack_encode;
 
     #[pymodule_export]
     use super::hashing::{digest, hash_block_tokens, hash_object, hash_request_blocks};

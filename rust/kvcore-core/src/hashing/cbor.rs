@@ -7,6 +7,8 @@ use crate::value::Value;
 const NULL: u8 = 0xf6;
 
 /// Writes a head: major type `major` (0..=7) with argument `n` in its shortest form.
+///
+/// Each branch appends a fixed-size array (plain stores, no `memmove` call per token).
 #[inline]
 pub(crate) fn write_head(out: &mut Vec<u8>, major: u8, n: u64) {
     let m = major << 5;
@@ -15,14 +17,14 @@ pub(crate) fn write_head(out: &mut Vec<u8>, major: u8, n: u64) {
     } else if n <= 0xff {
         out.extend_from_slice(&[m | 24, n as u8]);
     } else if n <= 0xffff {
-        out.push(m | 25);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
+        let b = (n as u16).to_be_bytes();
+        out.extend_from_slice(&[m | 25, b[0], b[1]]);
     } else if n <= 0xffff_ffff {
-        out.push(m | 26);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
+        let b = (n as u32).to_be_bytes();
+        out.extend_from_slice(&[m | 26, b[0], b[1], b[2], b[3]]);
     } else {
-        out.push(m | 27);
-        out.extend_from_slice(&n.to_be_bytes());
+        let b = n.to_be_bytes();
+        out.extend_from_slice(&[m | 27, b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
     }
 }
 
@@ -46,6 +48,7 @@ pub(crate) fn write_bytes(out: &mut Vec<u8>, data: &[u8]) {
 /// Writes an array of ints (the block's token ids).
 #[inline]
 pub(crate) fn write_int_array(out: &mut Vec<u8>, tokens: &[i64]) {
+    out.reserve(tokens.len() * 9 + 9);
     write_head(out, 4, tokens.len() as u64);
     for &t in tokens {
         write_int(out, t);

@@ -251,7 +251,8 @@ impl BlockHasher {
 
     /// Hashes every full `block_size` window of `tokens` as a chain starting from `parent`
     /// (SPEC RH-1); a trailing partial window is ignored. `extras`, when given, holds one
-    /// entry per full window (`None` for a window without extra keys).
+    /// entry per full window (`None` for a window without extra keys); windows may share one
+    /// slice of keys.
     ///
     /// # Errors
     /// [`HashError::ZeroBlockSize`], [`HashError::ExtrasLength`] when `extras` has the wrong
@@ -261,7 +262,7 @@ impl BlockHasher {
         parent: Option<&[u8]>,
         tokens: &[i64],
         block_size: usize,
-        extras: Option<&[Option<Vec<Value>>]>,
+        extras: Option<&[Option<&[Value]>]>,
     ) -> Result<Vec<BlockHash>, HashError> {
         if block_size == 0 {
             return Err(HashError::ZeroBlockSize);
@@ -277,7 +278,7 @@ impl BlockHasher {
         }
         let mut out: Vec<BlockHash> = Vec::with_capacity(n);
         for (i, window) in tokens.chunks_exact(block_size).enumerate() {
-            let extra = extras.and_then(|e| e[i].as_deref());
+            let extra = extras.and_then(|e| e[i]);
             let h = match out.last() {
                 Some(prev) => {
                     let prev = *prev;

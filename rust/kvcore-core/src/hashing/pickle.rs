@@ -63,16 +63,19 @@ pub(crate) fn end(out: &mut Vec<u8>) -> Result<(), HashError> {
 }
 
 /// Writes an int the way `save_long` does for protocol 2 and above.
+///
+/// Each branch appends a fixed-size array, which compiles to plain stores (a variable-length
+/// copy would call `memmove` per token).
 #[inline]
 pub(crate) fn write_int(out: &mut Vec<u8>, v: i64) {
     if (0..=0xff).contains(&v) {
         out.extend_from_slice(&[BININT1, v as u8]);
     } else if (0..=0xffff).contains(&v) {
-        out.push(BININT2);
-        out.extend_from_slice(&(v as u16).to_le_bytes());
-    } else if i32::try_from(v).is_ok() {
-        out.push(BININT);
-        out.extend_from_slice(&(v as i32).to_le_bytes());
+        let b = (v as u16).to_le_bytes();
+        out.extend_from_slice(&[BININT2, b[0], b[1]]);
+    } else if let Ok(v32) = i32::try_from(v) {
+        let b = v32.to_le_bytes();
+        out.extend_from_slice(&[BININT, b[0], b[1], b[2], b[3]]);
     } else {
         // Minimal two's-complement, little-endian: drop redundant sign bytes.
         let bytes = v.to_le_bytes();
@@ -119,6 +122,7 @@ pub(crate) fn write_int_tuple(out: &mut Vec<u8>, tokens: &[i64]) {
         out.push(EMPTY_TUPLE);
         return;
     }
+    out.reserve(tokens.len() * 10 + 3);
     let long = tokens.len() > 3;
     if long {
         out.push(MARK);

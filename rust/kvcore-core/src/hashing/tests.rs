@@ -175,6 +175,10 @@ impl Json {
     }
 }
 
+fn as_refs(extras: &[Option<Vec<Value>>]) -> Vec<Option<&[Value]>> {
+    extras.iter().map(|e| e.as_deref()).collect()
+}
+
 fn unhex(s: &str) -> Vec<u8> {
     (0..s.len())
         .step_by(2)
@@ -275,7 +279,7 @@ fn request_vectors() {
             _ => panic!(),
         };
         let got = hasher
-            .hash_blocks(None, &r.get("tokens").ints(), hbs, Some(&extras))
+            .hash_blocks(None, &r.get("tokens").ints(), hbs, Some(&as_refs(&extras)))
             .unwrap();
         let want: Vec<&str> = r.get("hashes").arr().iter().map(Json::str).collect();
         let got: Vec<String> = got.iter().map(|h| hex(h.as_bytes())).collect();
@@ -399,7 +403,7 @@ proptest! {
         let extras: Vec<Option<Vec<Value>>> = (0..n)
             .map(|i| salt.clone().filter(|_| i == 0).map(|s| vec![Value::Str(s)]))
             .collect();
-        let all = h.hash_blocks(None, &tokens, bs, Some(&extras)).unwrap();
+        let all = h.hash_blocks(None, &tokens, bs, Some(&as_refs(&extras))).unwrap();
         prop_assert_eq!(all.len(), n);
         let mut parent: Option<BlockHash> = None;
         for (i, w) in tokens.chunks_exact(bs).enumerate() {

@@ -1,0 +1,5 @@
+"""``python -m kvcore``: the ``kvcore`` command line."""
+
+from kvcore.cli import main
+
+raise SystemExit(main())

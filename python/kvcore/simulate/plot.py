@@ -1,0 +1,70 @@
+"""``kvcore simulate --plot``: usage, hit rate and running requests over steps (matplotlib)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvcore.simulate.scheduler import Simulator
+
+
+def require_matplotlib() -> None:
+    """Fails early, before a long run, when matplotlib is missing.
+
+    Raises:
+        ImportError: With an install hint.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "--plot needs matplotlib: pip install 'kvcore[plot]' (or pip install matplotlib)"
+        ) from exc
+
+
+def plot(sim: Simulator, path: str | Path, title: str = "") -> None:
+    """Draws three panels over the executed steps and saves them as a PNG.
+
+    The panels are pool usage, the cumulative prefix hit rate (with the unlimited-cache bound
+    as a dashed line) and the running and waiting request counts.
+
+    Args:
+        sim: A finished (or interrupted) simulation.
+        path: Output file (PNG).
+        title: Figure title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    st = sim.stats
+    steps = list(st.sample_step)
+    fig: Any
+    fig, axes = plt.subplots(3, 1, figsize=(8, 6.5), sharex=True, constrained_layout=True)
+    ax0, ax1, ax2 = axes
+    ax0.plot(steps, [100 * u for u in st.sample_usage], color="tab:blue", lw=1)
+    ax0.set_ylabel("KV usage (%)")
+    ax0.set_ylim(0, 105)
+    ax1.plot(
+        steps,
+        [100 * h for h in st.sample_hit_rate],
+        color="tab:green",
+        lw=1,
+        label=sim.backend.name,
+    )
+    ax1.axhline(
+        100 * sim.hit_rate_bound(), color="tab:gray", ls="--", lw=1, label="unlimited cache"
+    )
+    ax1.set_ylabel("prefix hit rate (%)")
+    ax1.set_ylim(0, 105)
+    ax1.legend(loc="lower right", fontsize="small")
+    ax2.plot(steps, list(st.sample_running), color="tab:orange", lw=1, label="running")
+    ax2.plot(steps, list(st.sample_waiting), color="tab:red", lw=1, label="waiting")
+    ax2.set_ylabel("requests")
+    ax2.set_xlabel("step")
+    ax2.legend(loc="upper right", fontsize="small")
+    if title:
+        fig.suptitle(title, fontsize="medium")
+    fig.savefig(str(path), dpi=80)
+    plt.close(fig)

@@ -1,0 +1,487 @@
+"""A continuous-batching scheduler loop over a ``KVCacheManager``.
+
+The loop follows the order of operations of the reference scheduler (``Scheduler.schedule`` and
+``update_from_output`` of vLLM 0.25.1, FCFS policy, chunked prefill, no speculative decoding,
+no connector):
+
+1. Requests whose arrival step has come are built (their full blocks are hashed) and queued.
+2. ``new_step_starts()``.
+3. Running requests, oldest first, while the token budget lasts: ``allocate_slots`` for the
+   tokens they still need (capped by the budget and the model length). When it fails, the
+   newest running request is preempted (freed, reset, put at the front of the waiting queue)
+   and the allocation is retried; a request that has to preempt itself stops the pass.
+4. Only if nothing was preempted: waiting requests, first come first served, while the budget
+   and ``max_num_seqs`` allow: prefix-cache lookup (``get_computed_blocks``), then
+   ``allocate_slots`` with the hit and the whole-sequence admission gate
+   (``full_sequence_must_fit``) and the watermark; the first failure stops admission.
+5. ``get_num_common_prefix_blocks`` and ``take_new_block_ids`` as the scheduler output needs.
+6. Computed-token counts advance; a request that caught up with its tokens "samples" its next
+   output token (``append_output_token_ids``, which hashes new full blocks); one that reached
+   its output length or the model length finishes and is freed.
+7. ``take_events()`` (with events on) and ``usage``.
+
+Only the manager-side calls are timed (request construction and hashing included). Every
+decision (hits, allocation results with block ids, preemptions, finishes) feeds a checksum so
+that two backends can be compared decision for decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcore.simulate.backends import Backend, ManagerSettings, ModelPreset
+from kvcore.simulate.workload import RequestSpec, unlimited_cache_hit_bound
+
+# Tags of the decision stream (negative, so they never collide with ids or counts).
+_T_STEP = -1
+_T_LOOKUP = -2
+_T_ALLOC = -3
+_T_ALLOC_FAIL = -4
+_T_PREEMPT = -5
+_T_FINISH = -6
+_T_TABLE = -7
+_T_GROUP = -8
+
+
+class ConfigError(ValueError):
+    """The configuration cannot run the workload (reported before anything runs)."""
+
+
+class SimulationStalled(RuntimeError):
+    """The simulation cannot make progress (a request never fits)."""
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerSettings:
+    """Limits of the simulated scheduler.
+
+    Attributes:
+        max_num_seqs: Most requests running at once.
+        admission_gate: Pass ``full_sequence_must_fit`` at admission (the reference's default).
+    """
+
+    max_num_seqs: int = 128
+    admission_gate: bool = True
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request in flight: its workload entry and the backend's request object."""
+
+    idx: int
+    spec: RequestSpec
+    req: Any
+
+
+@dataclass(slots=True)
+class SimStats:
+    """Figures gathered while the simulation runs (consistent between steps).
+
+    Attributes:
+        requests_total: Requests in the workload.
+        finished: Requests that finished.
+        steps: Steps executed (idle stretches between arrivals are skipped, not counted).
+        preemptions: Number of preemptions.
+        hit_tokens: Prefix-cache hit tokens at first admissions.
+        query_tokens: Prompt tokens at first admissions.
+        blocks_evicted: Cached blocks evicted (from ``BlockRemoved`` events); None with events
+            off.
+        kv_ns: Nanoseconds spent in manager calls, one entry per step.
+        sample_step: Step number of each sample (one per executed step).
+        sample_usage: Pool usage after each step.
+        sample_running: Running requests after each step.
+        sample_waiting: Waiting requests after each step.
+        sample_hit_rate: Cumulative prefix hit rate after each step.
+        wall_s: Wall-clock seconds of the run.
+    """
+
+    requests_total: int
+    finished: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    blocks_evicted: int | None = None
+    kv_ns: array[int] = field(default_factory=lambda: array("q"))
+    sample_step: array[int] = field(default_factory=lambda: array("q"))
+    sample_usage: array[float] = field(default_factory=lambda: array("d"))
+    sample_running: array[int] = field(default_factory=lambda: array("q"))
+    sample_waiting: array[int] = field(default_factory=lambda: array("q"))
+    sample_hit_rate: array[float] = field(default_factory=lambda: array("d"))
+    wall_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over prompt tokens at first admissions (0 before any admission)."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+def blocks_needed(model: ModelPreset, num_tokens: int, max_num_batched_tokens: int) -> int:
+    """Blocks a request of ``num_tokens`` tokens holds at most, summed over the groups.
+
+    Args:
+        model: The groups.
+        num_tokens: Sequence length.
+        max_num_batched_tokens: Token budget of a step (bounds a sliding window's span).
+
+    Returns:
+        The block count.
+    """
+    total = 0
+    for g in model.groups:
+        full = -(-num_tokens // g.block_size)
+        if g.kind == "full":
+            total += full
+        elif g.kind == "swa":
+            assert g.sliding_window is not None
+            span = g.sliding_window - 1 + max_num_batched_tokens
+            total += min(full, -(-span // g.block_size) + 1)
+        else:
+            total += min(full, -(-max_num_batched_tokens // g.block_size) + 1)
+    return total
+
+
+def check_config(
+    model: ModelPreset,
+    settings: ManagerSettings,
+    sched: SchedulerSettings,
+    workload: Sequence[RequestSpec],
+) -> None:
+    """Rejects, before anything runs, a configuration that cannot serve the workload.
+
+    Args:
+        model: The groups.
+        settings: Manager settings.
+        sched: Scheduler settings.
+        workload: The requests.
+
+    Raises:
+        ConfigError: With a message saying what to change.
+    """
+    if settings.num_blocks < 2:
+        raise ConfigError("--num-blocks must be at least 2 (block 0 is the null block)")
+    if settings.max_num_batched_tokens < 1 or sched.max_num_seqs < 1:
+        raise ConfigError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
+    if not 0.0 <= settings.watermark < 1.0:
+        raise ConfigError("--watermark must be in [0, 1)")
+    usable = settings.num_blocks - 1
+    worst: tuple[int, int, RequestSpec] | None = None
+    for spec in workload:
+        if len(spec.prompt) >= settings.max_model_len:
+            raise ConfigError(
+                f"{spec.describe()} has a {len(spec.prompt)}-token prompt, which does not "
+                f"fit --max-model-len {settings.max_model_len} (at least one output token "
+                "must fit too)"
+            )
+        length = min(len(spec.prompt) + len(spec.output), settings.max_model_len)
+        need = blocks_needed(model, length, settings.max_num_batched_tokens)
+        if worst is None or need > worst[0]:
+            worst = (need, length, spec)
+    if worst is not None and worst[0] > usable:
+        need, length, spec = worst
+        raise ConfigError(
+            f"the KV cache cannot hold even one request: {spec.describe()} grows to "
+            f"{length} tokens, which needs {need} blocks of {model.block_size} tokens "
+            f"({model.name} model), but --num-blocks {settings.num_blocks} leaves only "
+            f"{usable} usable blocks (block 0 is the null block); use --num-blocks "
+            f"{need + 1} or more"
+        )
+
+
+class Simulator:
+    """Replays a workload through one backend's ``KVCacheManager``.
+
+    Args:
+        backend: The implementation to drive.
+        model: KV-cache groups.
+        settings: Manager settings.
+        sched: Scheduler limits.
+        workload: The requests.
+
+    Raises:
+        ConfigError: If the configuration cannot serve the workload.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        model: ModelPreset,
+        settings: ManagerSettings,
+        sched: SchedulerSettings,
+        workload: Sequence[RequestSpec],
+    ) -> None:
+        check_config(model, settings, sched, workload)
+        self.backend = backend
+        self.model = model
+        self.settings = settings
+        self.sched = sched
+        self.workload = list(workload)
+        self.manager: Any = backend.build_manager(model, settings)
+        self.stats = SimStats(requests_total=len(self.workload))
+        if settings.enable_events:
+            self.stats.blocks_evicted = 0
+        self.clock = 0
+        self._checksum = hashlib.blake2b(digest_size=16)
+        self._waiting: deque[_Live] = deque()
+        self._running: list[_Live] = []
+        self._pending: list[tuple[int, int]] = []
+        self._dependents: dict[str, list[int]] = {}
+        for i, spec in enumerate(self.workload):
+            if spec.after is None:
+                self._pending.append((spec.arrival, i))
+            else:
+                self._dependents.setdefault(spec.after, []).append(i)
+        heapq.heapify(self._pending)
+        self._bound: float | None = None
+
+    @property
+    def done(self) -> bool:
+        """True when every request has finished."""
+        return self.stats.finished >= self.stats.requests_total
+
+    @property
+    def decisions_checksum(self) -> str:
+        """Hex digest over every decision so far (hits, block ids, preemptions, finishes)."""
+        return self._checksum.hexdigest()
+
+    def hit_rate_bound(self) -> float:
+        """The unlimited-cache prefix hit rate of the workload (computed once)."""
+        if self._bound is None:
+            self._bound = unlimited_cache_hit_bound(
+                self.workload, self.model.block_size, self.settings.max_model_len
+            )
+        return self._bound
+
+    def run(self, on_step: Callable[[Simulator], None] | None = None) -> SimStats:
+        """Runs until every request has finished.
+
+        Args:
+            on_step: Called after every step (for a progress display).
+
+        Returns:
+            The statistics (also available as ``self.stats`` while running, so that an
+            interrupted run can still be summarised).
+
+        Raises:
+            SimulationStalled: If a request can never be scheduled.
+        """
+        start = time.perf_counter()
+        try:
+            while not self.done:
+                self.step()
+                if on_step is not None:
+                    on_step(self)
+        finally:
+            self.stats.wall_s += time.perf_counter() - start
+        return self.stats
+
+    def step(self) -> None:
+        """Runs one scheduler step (skipping idle time until the next arrival)."""
+        perf = time.perf_counter_ns
+        mgr = self.manager
+        be = self.backend
+        stats = self.stats
+        running = self._running
+        waiting = self._waiting
+        max_len = self.settings.max_model_len
+        ns = 0
+        if not running and not waiting and self._pending:
+            self.clock = max(self.clock, self._pending[0][0])
+        pending = self._pending
+        while pending and pending[0][0] <= self.clock:
+            _, i = heapq.heappop(pending)
+            spec = self.workload[i]
+            build = be.request_factory(spec.request_id, list(spec.prompt), len(spec.output))
+            t0 = perf()
+            req = build()
+            ns += perf() - t0
+            waiting.append(_Live(i, spec, req))
+        if not running and not waiting:
+            return
+
+        log: list[int] = [_T_STEP, self.clock]
+        t0 = perf()
+        mgr.new_step_starts()
+        ns += perf() - t0
+        budget = self.settings.max_num_batched_tokens
+        scheduled: list[tuple[_Live, int]] = []
+        preempted = False
+
+        # 1. Running requests.
+        i = 0
+        while i < len(running) and budget > 0:
+            live = running[i]
+            req = live.req
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(n, max_len - req.num_computed_tokens - 1)
+            if n <= 0:
+                i += 1
+                continue
+            ids: Any = None
+            while True:
+                t0 = perf()
+                new_blocks = mgr.allocate_slots(req, n)
+                if new_blocks is not None:
+                    ids = new_blocks.get_block_ids()
+                ns += perf() - t0
+                if new_blocks is not None:
+                    break
+                victim = running.pop()
+                if victim is live and not running:
+                    raise SimulationStalled(
+                        f"{live.spec.describe()} cannot grow to {req.num_tokens} tokens even "
+                        "when it is the only running request; use a larger --num-blocks"
+                    )
+                ns += self._preempt(victim, log)
+                preempted = True
+                if victim is live:
+                    break
+            if ids is None:
+                log += (_T_ALLOC_FAIL, live.idx, n)
+                break
+            log += (_T_ALLOC, live.idx, n)
+            for group in ids:
+                log.append(_T_GROUP)
+                log += group
+            scheduled.append((live, n))
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests (only when nothing was preempted).
+        if not preempted:
+            gate = self.sched.admission_gate
+            while waiting and budget > 0 and len(running) < self.sched.max_num_seqs:
+                live = waiting[0]
+                req = live.req
+                t0 = perf()
+                hit_blocks, hit = mgr.get_computed_blocks(req)
+                ns += perf() - t0
+                n = min(req.num_tokens - hit, budget)
+                t0 = perf()
+                new_blocks = mgr.allocate_slots(
+                    req,
+                    n,
+                    num_new_computed_tokens=hit,
+                    new_computed_blocks=hit_blocks,
+                    num_lookahead_tokens=0,
+                    num_external_computed_tokens=0,
+                    delay_cache_blocks=False,
+                    num_encoder_tokens=0,
+                    full_sequence_must_fit=gate,
+                    reserved_blocks=0,
+                    has_scheduled_reqs=bool(running),
+                )
+                ns += perf() - t0
+                log += (_T_LOOKUP, live.idx, hit)
+                for group in hit_blocks.get_block_ids():
+                    log.append(_T_GROUP)
+                    log += group
+                if new_blocks is None:
+                    log += (_T_ALLOC_FAIL, live.idx, n)
+                    break
+                waiting.popleft()
+                running.append(live)
+                t0 = perf()
+                table = mgr.get_blocks(req.request_id).get_block_ids()
+                ns += perf() - t0
+                log += (_T_TABLE, live.idx, n)
+                for group in table:
+                    log.append(_T_GROUP)
+                    log += group
+                if req.num_preemptions == 0:
+                    stats.hit_tokens += hit
+                    stats.query_tokens += req.num_tokens
+                req.status = be.RUNNING
+                req.num_computed_tokens = hit
+                scheduled.append((live, n))
+                budget -= n
+
+        # 3. What the scheduler output needs from the manager.
+        t0 = perf()
+        if running:
+            mgr.get_num_common_prefix_blocks(running[0].req.request_id)
+        mgr.take_new_block_ids()
+        ns += perf() - t0
+
+        # 4. Advance, sample, finish.
+        for live, n in scheduled:
+            live.req.num_computed_tokens += n
+        sampled: list[tuple[Any, int]] = []
+        for live, _ in scheduled:
+            req = live.req
+            if req.num_computed_tokens >= req.num_tokens:  # not a prefill chunk: it samples
+                sampled.append((req, live.spec.output[req.num_output_tokens]))
+        t0 = perf()
+        for req, token in sampled:
+            req.append_output_token_ids(token)  # hashes a block when it fills
+        ns += perf() - t0
+        finished: list[_Live] = []
+        for live, _ in scheduled:
+            req = live.req
+            if req.num_output_tokens >= len(live.spec.output) or req.num_tokens >= max_len:
+                finished.append(live)
+        for live in finished:
+            running.remove(live)
+            live.req.status = be.FINISHED
+            t0 = perf()
+            mgr.free(live.req)
+            ns += perf() - t0
+            log += (_T_FINISH, live.idx)
+            stats.finished += 1
+            for j in self._dependents.pop(live.spec.request_id, ()):
+                heapq.heappush(pending, (self.clock + 1 + self.workload[j].arrival, j))
+
+        # 5. Events and usage.
+        if self.settings.enable_events:
+            t0 = perf()
+            events = mgr.take_events()
+            ns += perf() - t0
+            removed = 0
+            for ev in events:
+                if type(ev).__name__ == "BlockRemoved":
+                    removed += len(ev.block_hashes)
+            assert stats.blocks_evicted is not None
+            stats.blocks_evicted += removed
+        t0 = perf()
+        usage = mgr.usage
+        ns += perf() - t0
+
+        if not scheduled and not preempted and not running:
+            raise SimulationStalled(
+                f"{waiting[0].spec.describe()} cannot be admitted even into an empty cache; "
+                "use a larger --num-blocks"
+            )
+        self._checksum.update(array("q", log).tobytes())
+        stats.kv_ns.append(ns)
+        stats.steps += 1
+        stats.sample_step.append(self.clock)
+        stats.sample_usage.append(float(usage))
+        stats.sample_running.append(len(running))
+        stats.sample_waiting.append(len(waiting))
+        stats.sample_hit_rate.append(stats.hit_rate)
+        self.clock += 1
+
+    def _preempt(self, live: _Live, log: list[int]) -> int:
+        """Preempts a running request (already removed from the running list).
+
+        Returns:
+            Nanoseconds spent in the manager.
+        """
+        req = live.req
+        t0 = time.perf_counter_ns()
+        self.manager.free(req)
+        spent = time.perf_counter_ns() - t0
+        req.status = self.backend.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._waiting.appendleft(live)
+        self.stats.preemptions += 1
+        log += (_T_PREEMPT, live.idx)
+        return spent
