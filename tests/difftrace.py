@@ -25,11 +25,10 @@ the reference's hasher so that the comparison isolates the manager.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,14 +232,30 @@ CONFIGS: tuple[TraceConfig, ...] = (
 # --------------------------------------------------------------------------------------------
 
 
+_EVENT_FIELDS = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+    ),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}
+"""Event fields in declaration order (SPEC EVT-1)."""
+
+
 def _event_tuple(ev: Any) -> tuple[Any, ...]:
-    """A comparable tuple of an event: class name, then the fields in declaration order."""
-    names: Sequence[str]
-    if dataclasses.is_dataclass(ev):
-        names = [f.name for f in dataclasses.fields(ev)]
-    else:  # msgspec struct
-        names = ev.__struct_fields__
-    return (type(ev).__name__, *(getattr(ev, n) for n in names))
+    """A comparable tuple of an event: class name, then its EVT-1 fields in order."""
+    name = type(ev).__name__
+    return (name, *(getattr(ev, f) for f in _EVENT_FIELDS[name]))
 
 
 @dataclass
