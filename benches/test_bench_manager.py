@@ -58,6 +58,8 @@ class Size:
     max_num_batched_tokens: int
     arrivals_per_step: int = 4
     unique_frac: float = 0.3
+    unique_max_len: int = 2000
+    max_out: int = 200
     max_model_len: int = 16384
 
     def scaled(self, scale: float) -> Size:
@@ -72,6 +74,8 @@ class Size:
             self.max_num_batched_tokens,
             self.arrivals_per_step,
             self.unique_frac,
+            self.unique_max_len,
+            self.max_out,
             self.max_model_len,
         )
 
@@ -82,10 +86,12 @@ SIZES = (
         "10000req-131072blk",
         10000,
         131072,
-        max_num_seqs=2048,
-        max_num_batched_tokens=16384,
+        max_num_seqs=4096,
+        max_num_batched_tokens=32768,
         arrivals_per_step=64,
         unique_frac=0.7,
+        unique_max_len=4000,
+        max_out=500,
     ),
 )
 
@@ -125,11 +131,13 @@ def make_workload(size: Size, seed: int = 0) -> list[Conversation]:
         if rng.random() >= size.unique_frac:
             system = systems[min(int(rng.expovariate(0.6)), len(systems) - 1)]
         else:
-            system = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(200, 2000))]
+            system = [
+                rng.randrange(1, VOCAB) for _ in range(rng.randrange(200, size.unique_max_len))
+            ]
         turns = [
             Turn(
                 [rng.randrange(1, VOCAB) for _ in range(rng.randrange(30, 300))],
-                rng.randrange(16, 200),
+                rng.randrange(16, size.max_out),
             )
             for _ in range(n)
         ]
