@@ -15,9 +15,15 @@ output tokens (which hashes new full blocks), ``get_computed_blocks``, ``allocat
 The benchmark reports mean and p99 microseconds per scheduler step for each implementation,
 their ratio, and a checksum over every decision and block id, which must be equal.
 
-Sizes: 2000 requests / 8192 blocks and 10000 requests / 131072 blocks.  ``KVCORE_BENCH_SCALE``
-(default 1.0) shrinks both the request count and the pool for quick runs.  Results are printed
-as a table and merged into ``benches/results/manager.json``.
+Sizes (one full-attention group, block size 16, sha256_cbor, prefix caching on, events off):
+
+- 2000 requests / 8192 blocks: 128 sequences, 4096 tokens per step, 30% unique prompts;
+- 10000 requests / 131072 blocks: 4096 sequences, 32768 tokens per step, 70% unique prompts of
+  up to 4000 tokens and outputs of up to 500 tokens, so that the large pool fills and preempts.
+
+``KVCORE_BENCH_SCALE`` (default 1.0) shrinks the request count, the pool and the sequence cap
+for quick runs.  Results are printed as a table and merged into
+``benches/results/manager.json``.  Use a release build (``maturin develop --release``).
 """
 
 from __future__ import annotations
