@@ -14,7 +14,8 @@ install: ## Build and install kvcore (release build of the Rust core)
 	$(PIP) install -q -e .
 
 install-dev: install ## Install kvcore, kvcore-kernels, torch and the test tools
-	$(PIP) install -q -e '.[test,bench,plot]' 'ruff' 'mypy' 'pytest-benchmark'
+	$(PIP) install -q torch
+	$(PIP) install -q -e '.[test,bench,plot]' 'ruff' 'mypy' 'pytest-benchmark' 'typing_extensions>=4.15'
 	$(PIP) install -q -e ./kernels
 
 install-reference: install-dev ## Install the reference (vLLM 0.25.1) for differential tests and benches
@@ -37,6 +38,7 @@ lint: install-dev ## rustfmt, clippy, ruff, mypy --strict and stubtest
 	$(PY) -m ruff check python tests benches kernels
 	$(PY) -m ruff format --check python tests benches kernels
 	$(PY) -m mypy
+	MYPYPATH=python $(PY) -m mypy --strict tests benches
 	cd kernels && $(PY) -m mypy
 	$(PY) -m mypy.stubtest kvcore._native
 

@@ -182,7 +182,8 @@ def event_fields(event: Any) -> tuple[str, dict[str, Any]]:
     if dataclasses.is_dataclass(event):
         names = [f.name for f in dataclasses.fields(event)]
     else:
-        names = list(getattr(event, "__struct_fields__", ()))
+        struct_fields = getattr(event, "__struct_fields__", None)
+        names = list(event.__match_args__ if struct_fields is None else struct_fields)
     values: dict[str, Any] = {}
     for n in names:
         v = getattr(event, n)

@@ -1251,11 +1251,6 @@ def test_evt_2_non_integer_value_raises(monkeypatch: pytest.MonkeyPatch, value: 
     pool.check_invariants()
 
 
-@pytest.mark.xfail(
-    reason="take_events drains the queue before converting, so a ValueError from the "
-    "environment variable loses the queued events (state should be unchanged)",
-    strict=True,
-)
 def test_evt_2_failed_conversion_keeps_the_events(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = new_pool(5)
     req = PoolRequest(list(range(16)))

@@ -240,6 +240,19 @@ class KVCacheEvent:
 class BlockStored(KVCacheEvent):
     """Blocks entered the prefix cache (SPEC EVT-1, POOL-17, POOL-30)."""
 
+    __match_args__ = (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+    )
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
     token_ids: list[int]
@@ -273,6 +286,7 @@ class BlockStored(KVCacheEvent):
 class BlockRemoved(KVCacheEvent):
     """A key left the prefix cache (SPEC EVT-1, POOL-6)."""
 
+    __match_args__ = ("block_hashes", "medium", "group_idx")
     block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None
@@ -289,6 +303,8 @@ class BlockRemoved(KVCacheEvent):
 @final
 class AllBlocksCleared(KVCacheEvent):
     """The whole prefix cache was cleared (SPEC EVT-1, POOL-21)."""
+
+    __match_args__ = ()
 
     def __new__(cls) -> AllBlocksCleared: ...
     def __eq__(self, other: object, /) -> bool: ...

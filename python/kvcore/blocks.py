@@ -71,9 +71,14 @@ class KVCacheBlocks:
         Returns:
             The ids per group, or None (see ``allow_none``).
         """
-        if allow_none and not any(self.blocks):
+        blocks = self.blocks
+        if len(blocks) == 1:
+            if allow_none and not blocks[0]:
+                return None
+            return ([*blocks[0]],)
+        if allow_none and not any(blocks):
             return None
-        return tuple([*g] for g in self.blocks)
+        return tuple([*g] for g in blocks)
 
     def _pool(self) -> BlockHashSource:
         if self.block_pool is None:

@@ -420,6 +420,7 @@ def get_request_block_hasher(
             new_hashes.append(BlockHash(parent))
         return new_hashes
 
+    request_block_hasher.hash_block_size = hbs  # type: ignore[attr-defined]
     return request_block_hasher
 
 

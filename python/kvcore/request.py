@@ -98,6 +98,8 @@ class Request:
         "__weakref__",
         "_all_token_ids",
         "_block_hasher",
+        "_hash_block_size",
+        "_next_hash_at",
         "_output_token_ids",
         "_prompt_embeds_per_block_hashes",
         "arrival_time",
@@ -113,6 +115,7 @@ class Request:
         "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_tokens",
         "pooling_params",
         "priority",
         "prompt_embeds",
@@ -216,8 +219,14 @@ class Request:
                     break
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
 
+        self.num_tokens = len(self._all_token_ids)
+        """Prompt plus output tokens (kept equal to ``len(all_token_ids)``)."""
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
+        # The hasher produces nothing until the next window is full; a hasher that says its
+        # window size lets appends skip the call until then.
+        self._hash_block_size: int | None = getattr(block_hasher, "hash_block_size", None)
+        self._next_hash_at = 0
         self.update_block_hashes()
 
     @property
@@ -229,11 +238,6 @@ class Request:
     def output_token_ids(self) -> list[int]:
         """Output token ids; read-only by contract."""
         return self._output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus output tokens."""
-        return len(self._all_token_ids)
 
     @property
     def num_tokens_with_spec(self) -> int:
@@ -267,13 +271,17 @@ class Request:
         else:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        self.num_tokens = len(self._all_token_ids)
+        if self._block_hasher is not None and self.num_tokens >= self._next_hash_at:
+            self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
         """Runs the block hasher and appends the hashes of new full blocks (RH-2)."""
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
+            hbs = self._hash_block_size
+            if hbs is not None:
+                self._next_hash_at = (len(self.block_hashes) + 1) * hbs
 
     def is_finished(self) -> bool:
         """Whether the request finished."""

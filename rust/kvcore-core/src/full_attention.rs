@@ -364,6 +364,65 @@ impl UnitaryFullAttention {
         hit
     }
 
+    /// `allocate_slots` for a request that is already running and brings no hits: the same
+    /// decisions as the general path (ALLOC-7, 9, 11) with one table lookup. `Ok(None)` means
+    /// "not running", `Ok(Some(None))` "does not fit".
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn allocate_running<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        req: RequestView<'_>,
+        args: &AllocateArgs<'_>,
+        total: usize,
+        need_slot: usize,
+        wm: i64,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<Option<Option<std::ops::Range<usize>>>, E> {
+        let t = &mut self.tables;
+        let Some(e) = t.reqs.get_mut(req.id) else {
+            return Ok(None);
+        };
+        let Some(cached) = e.num_cached else {
+            return Ok(None);
+        };
+        let have = e.blocks.len();
+        let need = cdiv(need_slot, t.block_size).saturating_sub(have);
+        if need as i64 + wm > pool.get_num_free_blocks() as i64 - args.reserved_blocks {
+            return Ok(Some(None));
+        }
+        if need > 0 {
+            pool.get_new_blocks_into(need, &mut e.blocks)?;
+            if t.record_new_ids {
+                t.new_block_ids.extend_from_slice(&e.blocks[have..]);
+            }
+        }
+        if pool.enable_caching() && !args.delay_cache_blocks {
+            let full = (total + args.num_new_tokens).min(req.num_tokens) / t.block_size;
+            if cached < full {
+                let new = e.blocks.get(cached..full).ok_or_else(|| {
+                    PoolError::Invalid(format!(
+                        "request {} holds {} blocks, fewer than the {full} full ones",
+                        req.id,
+                        e.blocks.len()
+                    ))
+                })?;
+                pool.cache_full_blocks(
+                    new,
+                    cached,
+                    full,
+                    t.block_size,
+                    t.group_id,
+                    None,
+                    hashes,
+                    meta,
+                )?;
+                e.num_cached = Some(full);
+            }
+        }
+        Ok(Some(Some(have..have + need)))
+    }
+
     /// SPEC ALLOC-1..12: returns the range of newly allocated blocks in the request's table, or
     /// `None` when they do not fit. `hashes`/`meta` feed ALLOC-11's caching.
     ///
@@ -405,6 +464,17 @@ impl UnitaryFullAttention {
         }
         let main = total + args.num_new_tokens;
         let need_slot = (main + args.num_lookahead_tokens).min(self.max_model_len);
+        if args.new_computed_blocks.is_none() && ext == 0 && !args.full_sequence_must_fit {
+            let reborrowed = HashSource {
+                len: &mut *hashes.len,
+                get: &mut *hashes.get,
+            };
+            if let Some(range) =
+                self.allocate_running(pool, req, &args, total, need_slot, wm, reborrowed, meta)?
+            {
+                return Ok(range);
+            }
+        }
         // ALLOC-6: full attention skips nothing.
         let need = self
             .tables
@@ -462,7 +532,7 @@ mod tests {
                 r,
                 args,
                 HashSource {
-                    len: hashes.len(),
+                    len: &mut || Ok(hashes.len()),
                     get: &mut get,
                 },
                 &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
@@ -534,7 +604,7 @@ mod tests {
             req("x", 0, 10),
             AllocateArgs::default(),
             HashSource {
-                len: 0,
+                len: &mut || Ok(0),
                 get: &mut get,
             },
             &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),

@@ -88,8 +88,9 @@ pub struct BlockPool {
 
 /// What `cache_full_blocks` needs to know about the request's hashes.
 pub struct HashSource<'a, E> {
-    /// Number of entries in the (possibly block-size-adjusted) hash view.
-    pub len: usize,
+    /// Number of entries in the (possibly block-size-adjusted) hash view; asked only when
+    /// blocks are to be cached.
+    pub len: &'a mut dyn FnMut() -> Result<usize, E>,
     /// Reads entry `i` of the view (`0 <= i < len`).
     pub get: &'a mut dyn FnMut(usize) -> Result<BlockHash, E>,
 }
@@ -635,10 +636,11 @@ impl BlockPool {
                 .into());
             }
         }
-        if hashes.len < num_full {
+        let available = (hashes.len)()?;
+        if available < num_full {
             return Err(PoolError::NotEnoughHashes {
                 needed: num_full,
-                available: hashes.len,
+                available,
             }
             .into());
         }
@@ -820,6 +822,11 @@ impl BlockPool {
             self.events.push(KvEvent::AllBlocksCleared);
         }
         true
+    }
+
+    /// Whether events are waiting to be taken.
+    pub fn has_pending_events(&self) -> bool {
+        !self.events.is_empty()
     }
 
     /// Hands over the queued events in emission order (SPEC POOL-22).

@@ -10,7 +10,7 @@ const MEDIUM_GPU: &str = "GPU";
 
 /// Reads `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` the way the reference does (SPEC EVT-2): unset
 /// means `"1"`; the value is parsed by Python's `int()` (so `"true"` raises ValueError).
-fn use_int_hashes(py: Python<'_>) -> PyResult<bool> {
+pub fn use_int_hashes(py: Python<'_>) -> PyResult<bool> {
     // The process environment is what `os.environ` writes through to (putenv).
     match std::env::var("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES") {
         Err(std::env::VarError::NotPresent) => Ok(true),
@@ -143,6 +143,35 @@ impl BlockStored {
 
 #[pymethods]
 impl BlockStored {
+    /// Field names in order, for pattern matching and generic field access.
+    #[classattr]
+    #[allow(non_upper_case_globals)]
+    const __match_args__: (
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+    ) = (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+    );
+
     #[new]
     #[pyo3(signature = (block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys = None, group_idx = None, kv_cache_spec_kind = None, kv_cache_spec_sliding_window = None))]
     #[allow(clippy::too_many_arguments)]
@@ -230,6 +259,12 @@ impl BlockRemoved {
 
 #[pymethods]
 impl BlockRemoved {
+    /// Field names in order, for pattern matching and generic field access.
+    #[classattr]
+    #[allow(non_upper_case_globals)]
+    const __match_args__: (&'static str, &'static str, &'static str) =
+        ("block_hashes", "medium", "group_idx");
+
     #[new]
     #[pyo3(signature = (block_hashes, medium, group_idx = None))]
     fn new(
@@ -284,6 +319,12 @@ pub struct AllBlocksCleared;
 
 #[pymethods]
 impl AllBlocksCleared {
+    /// No fields.
+    #[classattr]
+    fn __match_args__(py: Python<'_>) -> Py<PyTuple> {
+        PyTuple::empty(py).unbind()
+    }
+
     #[new]
     fn new() -> (Self, KVCacheEvent) {
         (Self, KVCacheEvent)
@@ -310,12 +351,9 @@ impl AllBlocksCleared {
 }
 
 /// Converts drained core events into a Python list of event objects.
-pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>) -> PyResult<Py<PyList>> {
+/// `as_int` selects the integer form of hashes (SPEC EVT-2, see [`use_int_hashes`]).
+pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>, as_int: bool) -> PyResult<Py<PyList>> {
     let out = PyList::empty(py);
-    if events.is_empty() {
-        return Ok(out.unbind());
-    }
-    let as_int = use_int_hashes(py)?;
     let medium: PyObject = MEDIUM_GPU.into_pyobject(py)?.into_any().unbind();
     for ev in events {
         let obj: PyObject = match ev {

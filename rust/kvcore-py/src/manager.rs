@@ -189,7 +189,6 @@ impl PyUnitaryFullAttention {
             num_tokens,
             waiting_or_preempted,
         };
-        let bs = self.core.tables.block_size();
         // The hash view is read lazily, only when blocks fill.
         let hashes_obj: std::cell::OnceCell<Bound<'_, PyAny>> = std::cell::OnceCell::new();
         let fetch = || -> PyResult<&Bound<'_, PyAny>> {
@@ -199,12 +198,7 @@ impl PyUnitaryFullAttention {
             let h = request.getattr(intern!(py, "block_hashes"))?;
             Ok(hashes_obj.get_or_init(|| h))
         };
-        let hash_len = if args.delay_cache_blocks {
-            0
-        } else {
-            // Length is needed only when caching runs; reading it is cheap.
-            (num_tokens / bs).min(fetch()?.len()?)
-        };
+        let mut hash_len = || -> Result<usize, Error> { Ok(fetch()?.len()?) };
         let mut get =
             |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&fetch()?.get_item(i)?)?) };
         let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
@@ -216,7 +210,7 @@ impl PyUnitaryFullAttention {
             view,
             args,
             HashSource {
-                len: hash_len,
+                len: &mut hash_len,
                 get: &mut get,
             },
             &mut meta,
@@ -306,7 +300,10 @@ impl PyUnitaryFullAttention {
             pool.core_mut(),
             id,
             n,
-            HashSource { len, get: &mut get },
+            HashSource {
+                len: &mut || Ok(len),
+                get: &mut get,
+            },
             &mut meta,
         )?)
     }

@@ -13,11 +13,21 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PySlice, PyTuple};
 
 use crate::errors::{invalid, to_pyerr, Error};
-use crate::events::{events_to_py, py_to_value};
+use crate::events::{events_to_py, py_to_value, use_int_hashes};
 
-/// Reads a sequence or iterable of block ids into core ids, checking their range.
-fn extract_ids(pool: &BlockPool, obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
-    let check = |v: i64| pool.check_id(v).map_err(to_pyerr);
+/// Reads a sequence or iterable of block ids into core ids, checking their range against a
+/// pool of `num_blocks` blocks.
+fn extract_ids(num_blocks: usize, obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+    let check = |v: i64| -> PyResult<BlockId> {
+        if v < 0 || v as u64 >= num_blocks as u64 {
+            Err(to_pyerr(PoolError::BlockOutOfRange {
+                block_id: v,
+                num_blocks,
+            }))
+        } else {
+            Ok(v as BlockId)
+        }
+    };
     if let Ok(list) = obj.downcast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
         for item in list.iter() {
@@ -72,6 +82,11 @@ pub fn cached_prefix(
         }
     }
     Ok(out)
+}
+
+/// The pool's size, read under a borrow that ends at once.
+fn num_blocks(slf: &Bound<'_, PyBlockPool>) -> usize {
+    slf.borrow().inner.num_blocks()
 }
 
 /// Converts a digest from Python bytes.
@@ -278,20 +293,24 @@ impl PyBlockPool {
             .map_err(Error::Pool)?)
     }
 
-    fn touch(&mut self, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids = extract_ids(&self.inner, blocks)?;
-        Ok(self.inner.touch(&ids).map_err(Error::Pool)?)
+    fn touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = extract_ids(num_blocks(slf), blocks)?;
+        Ok(slf.borrow_mut().inner.touch(&ids).map_err(Error::Pool)?)
     }
 
-    fn free_blocks(&mut self, ordered_blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids = extract_ids(&self.inner, ordered_blocks)?;
-        Ok(self.inner.free_blocks(&ids).map_err(Error::Pool)?)
+    fn free_blocks(slf: &Bound<'_, Self>, ordered_blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = extract_ids(num_blocks(slf), ordered_blocks)?;
+        Ok(slf
+            .borrow_mut()
+            .inner
+            .free_blocks(&ids)
+            .map_err(Error::Pool)?)
     }
 
     #[pyo3(signature = (request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask = None))]
     #[allow(clippy::too_many_arguments)]
     fn cache_full_blocks(
-        &mut self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         blocks: &Bound<'_, PyAny>,
@@ -307,31 +326,74 @@ impl PyBlockPool {
             return Ok(());
         }
         let bs = non_negative(block_size, "block_size")?;
-        let hbs = self.inner.hash_block_size();
+        let (n_blocks, hbs, events) = {
+            let me = slf.borrow();
+            (
+                me.inner.num_blocks(),
+                me.inner.hash_block_size(),
+                me.inner.events_enabled(),
+            )
+        };
         if bs == 0 || bs % hbs != 0 {
             return Err(to_pyerr(PoolError::BlockSizeNotMultiple {
                 block_size: bs,
                 hash_block_size: hbs,
             }));
         }
-        // Only the blocks being cached cross the boundary.
+        // Everything the core needs from Python is read first, so that no Python code runs
+        // while the pool is borrowed (another thread could then be refused).
         let seq = blocks.get_item(PySlice::new(py, num_cached as isize, num_full as isize, 1))?;
-        let new_ids = extract_ids(&self.inner, &seq)?;
+        let new_ids = extract_ids(n_blocks, &seq)?;
         if new_ids.len() != num_full - num_cached {
             return Err(invalid(format!(
                 "the request holds fewer than num_full_blocks={num_full} blocks"
             )));
         }
         let fine = request.getattr(intern!(py, "block_hashes"))?;
-        let fine_len = fine.len()?;
         let k = bs / hbs;
+        let view_len = fine.len()? / k;
+        let first = if events {
+            num_cached.saturating_sub(1)
+        } else {
+            num_cached
+        };
+        let mut hashes = Vec::new();
+        if view_len >= num_full {
+            for i in first..num_full {
+                hashes.push(to_hash(&fine.get_item((i + 1) * k - 1)?)?);
+            }
+        }
+        let mask_ok = block_mask.as_ref().is_none_or(|m| m.len() == new_ids.len());
+        let meta_value = if events && mask_ok {
+            let ranges: Vec<(usize, usize)> = new_ids
+                .iter()
+                .enumerate()
+                .filter(|&(i, &b)| b != 0 && block_mask.as_ref().is_none_or(|m| m[i]))
+                .map(|(i, _)| ((num_cached + i) * bs, (num_cached + i + 1) * bs))
+                .collect();
+            let req = MetaRequest {
+                token_range: (num_cached * bs, num_full * bs),
+                block_ranges: &ranges,
+                first_mm_idx: 0,
+            };
+            Some(stored_meta(py, request, &req)?)
+        } else {
+            None
+        };
+        let mut meta_slot = meta_value;
         let mut get = |i: usize| -> Result<BlockHash, Error> {
-            Ok(to_hash(&fine.get_item((i + 1) * k - 1)?)?)
+            hashes
+                .get(i - first)
+                .copied()
+                .ok_or_else(|| invalid("hash view index out of range").into())
         };
-        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
-            Ok(stored_meta(py, request, req)?)
+        let mut meta = |_: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
+            meta_slot
+                .take()
+                .ok_or_else(|| invalid("event metadata requested twice").into())
         };
-        Ok(self.inner.cache_full_blocks::<Error>(
+        let mut me = slf.borrow_mut();
+        Ok(me.inner.cache_full_blocks::<Error>(
             &new_ids,
             num_cached,
             num_full,
@@ -339,7 +401,7 @@ impl PyBlockPool {
             kv_cache_group_id,
             block_mask.as_deref(),
             HashSource {
-                len: fine_len / k,
+                len: &mut || Ok(view_len),
                 get: &mut get,
             },
             &mut meta,
@@ -347,7 +409,7 @@ impl PyBlockPool {
     }
 
     fn cache_partial_block<'py>(
-        &mut self,
+        slf: &Bound<'py, Self>,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
         block: i64,
@@ -355,16 +417,52 @@ impl PyBlockPool {
         kv_cache_group_id: u32,
         block_size: i64,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let b = self.inner.check_id(block).map_err(Error::Pool)?;
+        let (n_blocks, hbs, events) = {
+            let me = slf.borrow();
+            (
+                me.inner.num_blocks(),
+                me.inner.hash_block_size(),
+                me.inner.events_enabled(),
+            )
+        };
+        let b = extract_ids(n_blocks, PyTuple::new(py, [block])?.as_any())?[0];
         let nt = non_negative(num_tokens, "num_tokens")?;
         let bs = non_negative(block_size, "block_size")?;
         let fine = request.getattr(intern!(py, "block_hashes"))?;
         let num_hashes = fine.len()?;
-        let mut at = |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&fine.get_item(i)?)?) };
-        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
-            Ok(stored_meta(py, request, req)?)
+        // Read what the core may ask for while no borrow is held (see cache_full_blocks).
+        let m = nt / hbs;
+        let mut prefetched: Vec<(usize, BlockHash)> = Vec::new();
+        for i in [m.wrapping_sub(1), m.wrapping_sub(2)] {
+            if i < num_hashes && nt % hbs == 0 {
+                prefetched.push((i, to_hash(&fine.get_item(i)?)?));
+            }
+        }
+        let meta_value = if events && m >= 1 && m <= num_hashes && nt % hbs == 0 && b != 0 {
+            let start = (m - 1) * hbs;
+            let req = MetaRequest {
+                token_range: (start, nt),
+                block_ranges: &[(start, nt)],
+                first_mm_idx: if start > 0 { -1 } else { 0 },
+            };
+            Some(stored_meta(py, request, &req)?)
+        } else {
+            None
         };
-        let key = self.inner.cache_partial_block::<Error>(
+        let mut meta_slot = meta_value;
+        let mut at = |i: usize| -> Result<BlockHash, Error> {
+            prefetched
+                .iter()
+                .find(|(j, _)| *j == i)
+                .map(|(_, h)| *h)
+                .ok_or_else(|| invalid("block hash index out of range").into())
+        };
+        let mut meta = |_: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
+            meta_slot
+                .take()
+                .ok_or_else(|| invalid("event metadata requested twice").into())
+        };
+        let key = slf.borrow_mut().inner.cache_partial_block::<Error>(
             b,
             nt,
             kv_cache_group_id,
@@ -401,9 +499,13 @@ impl PyBlockPool {
         cached_prefix(&self.inner, block_hashes, max, &kv_cache_group_ids, stride)
     }
 
-    fn evict_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = extract_raw_ids(block_ids)?;
-        Ok(self.inner.evict_blocks(&ids).map_err(Error::Pool)?)
+        Ok(slf
+            .borrow_mut()
+            .inner
+            .evict_blocks(&ids)
+            .map_err(Error::Pool)?)
     }
 
     fn reset_prefix_cache(&mut self, py: Python<'_>) -> PyResult<bool> {
@@ -424,7 +526,12 @@ impl PyBlockPool {
     }
 
     fn take_events(&mut self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        events_to_py(py, self.inner.take_events())
+        if !self.inner.has_pending_events() {
+            return Ok(PyList::empty(py).unbind());
+        }
+        // Read the hash form first: a bad environment value must leave the queue intact.
+        let as_int = use_int_hashes(py)?;
+        events_to_py(py, self.inner.take_events(), as_int)
     }
 
     fn get_all_free_block_ids(&self) -> Vec<u32> {
@@ -432,12 +539,12 @@ impl PyBlockPool {
     }
 
     fn get_ref_cnts(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
-        let ids = extract_ids(&self.inner, block_ids)?;
+        let ids = extract_ids(self.inner.num_blocks(), block_ids)?;
         Ok(ids.iter().map(|&b| self.inner.ref_cnt(b)).collect())
     }
 
     fn count_evictable(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let ids = extract_ids(&self.inner, block_ids)?;
+        let ids = extract_ids(self.inner.num_blocks(), block_ids)?;
         Ok(self.inner.count_evictable(&ids))
     }
 
@@ -446,7 +553,7 @@ impl PyBlockPool {
         py: Python<'py>,
         block_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
-        let ids = extract_ids(&self.inner, block_ids)?;
+        let ids = extract_ids(self.inner.num_blocks(), block_ids)?;
         Ok(ids
             .iter()
             .map(|&b| {

@@ -22,7 +22,7 @@ fn cache(p: &mut BlockPool, blocks: &[u32], hashes: &[BlockHash], num_cached: us
         gid,
         None,
         HashSource {
-            len: hashes.len(),
+            len: &mut || Ok(hashes.len()),
             get: &mut get,
         },
         &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
@@ -169,7 +169,7 @@ fn pool_16_promotion_check() {
         0,
         None,
         HashSource {
-            len: 1,
+            len: &mut || Ok(1),
             get: &mut get,
         },
         &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
@@ -209,7 +209,7 @@ fn pool_30_partial_then_promotion() {
         0,
         None,
         HashSource {
-            len: 1,
+            len: &mut || Ok(1),
             get: &mut get,
         },
         &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
