@@ -17,6 +17,7 @@ Examples:
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -265,23 +266,29 @@ class Request:
         Args:
             token_ids: One token id or a sequence of them.
         """
-        if isinstance(token_ids, int):
+        all_ids = self._all_token_ids
+        if type(token_ids) is int:
             self._output_token_ids.append(token_ids)
-            self._all_token_ids.append(token_ids)
+            all_ids.append(token_ids)
+        elif isinstance(token_ids, int):
+            self._output_token_ids.append(int(token_ids))
+            all_ids.append(int(token_ids))
         else:
             self._output_token_ids.extend(token_ids)
-            self._all_token_ids.extend(token_ids)
-        self.num_tokens = len(self._all_token_ids)
-        if self._block_hasher is not None and self.num_tokens >= self._next_hash_at:
+            all_ids.extend(token_ids)
+        n = self.num_tokens = len(all_ids)
+        if n >= self._next_hash_at:
             self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
         """Runs the block hasher and appends the hashes of new full blocks (RH-2)."""
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
-            hbs = self._hash_block_size
-            if hbs is not None:
-                self._next_hash_at = (len(self.block_hashes) + 1) * hbs
+        if self._block_hasher is None:
+            self._next_hash_at = sys.maxsize
+            return
+        self.block_hashes.extend(self._block_hasher(self))
+        hbs = self._hash_block_size
+        if hbs is not None:
+            self._next_hash_at = (len(self.block_hashes) + 1) * hbs
 
     def is_finished(self) -> bool:
         """Whether the request finished."""
