@@ -222,7 +222,7 @@ def kvcore_impl(size: Size) -> Impl:
 
         fn = hashing.get_hash_fn_by_name(HASH_FN)
         hashing.init_none_hash(fn)
-        hasher = hashing.get_request_block_hasher(BLOCK_SIZE, fn)
+        hasher: Any = hashing.get_request_block_hasher(BLOCK_SIZE, fn)
         origin = "kvcore"
     except ImportError:
         from vllm.utils.hashing import get_hash_fn_by_name

@@ -33,7 +33,7 @@ def make_reference_request() -> Callable[..., Any]:
     def make(
         request_id: str,
         prompt_token_ids: list[int],
-        block_hasher: Callable[[Any], list[bytes]] | None = None,
+        block_hasher: Any = None,
         cache_salt: str | None = None,
         max_tokens: int = 16,
         **kwargs: Any,

@@ -25,6 +25,7 @@ the reference's hasher so that the comparison isolates the manager.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 from collections import deque
@@ -357,14 +358,14 @@ def _manager_kwargs(cfg: TraceConfig) -> dict[str, Any]:
     }
 
 
-def reference_hasher(cfg: TraceConfig) -> Callable[[Any], list[bytes]]:
+def reference_hasher(cfg: TraceConfig) -> Any:
     """The reference's request block hasher for ``cfg``, with its ``NONE_HASH`` initialised."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     fn = get_hash_fn_by_name(cfg.hash_fn)
     init_none_hash(fn)
-    hasher: Callable[[Any], list[bytes]] = get_request_block_hasher(cfg.hash_block_size, fn)
+    hasher: Any = get_request_block_hasher(cfg.hash_block_size, fn)
     return hasher
 
 
@@ -423,7 +424,7 @@ class ReferenceSide(_Side):
         return [b.block_id for b in blocks]
 
 
-def kvcore_hasher(cfg: TraceConfig) -> tuple[Callable[[Any], list[bytes]], str]:
+def kvcore_hasher(cfg: TraceConfig) -> tuple[Any, str]:
     """kvcore's request block hasher for ``cfg`` and where it came from.
 
     Falls back to the reference's hasher while ``kvcore.hashing`` is not available.
@@ -434,7 +435,7 @@ def kvcore_hasher(cfg: TraceConfig) -> tuple[Callable[[Any], list[bytes]], str]:
         return reference_hasher(cfg), "reference"
     fn = hashing.get_hash_fn_by_name(cfg.hash_fn)
     hashing.init_none_hash(fn)
-    hasher: Callable[[Any], list[bytes]] = hashing.get_request_block_hasher(cfg.hash_block_size, fn)
+    hasher: Any = hashing.get_request_block_hasher(cfg.hash_block_size, fn)
     return hasher, "kvcore"
 
 
@@ -861,6 +862,22 @@ def run_trace(
     return d
 
 
+def _cache_blocks(r: _Req, n: int, s: _Side, i: int) -> Any:
+    return s.manager.cache_blocks(r.reqs[i], n)
+
+
+def _common_prefix(rid: str, s: _Side, i: int) -> Any:
+    return list(s.manager.get_num_common_prefix_blocks(rid))
+
+
+def _ids_for_computed(rid: str, n: int, s: _Side, i: int) -> Any:
+    return s.manager.get_block_ids_for_computed_tokens(rid, n)
+
+
+def _evict(ids: set[int], s: _Side, i: int) -> Any:
+    return s.manager.evict_blocks(set(ids))
+
+
 def _run(d: TraceDriver, num_calls: int) -> None:
     cfg = d.cfg
     rng = d.rng
@@ -915,7 +932,7 @@ def _run(d: TraceDriver, num_calls: int) -> None:
             n = r.computed
             d.call(
                 f"cache_blocks({r.rid}, {n})",
-                lambda s, i, r=r, n=n: s.manager.cache_blocks(r.reqs[i], n),
+                functools.partial(_cache_blocks, r, n),
             )
             if r.computed == r.num_tokens:
                 r.computed = r.num_tokens - 1
@@ -998,7 +1015,7 @@ def _run(d: TraceDriver, num_calls: int) -> None:
         for r in running:
             d.call(
                 f"get_num_common_prefix_blocks({r.rid})",
-                lambda s, i, rid=r.rid: list(s.manager.get_num_common_prefix_blocks(rid)),
+                functools.partial(_common_prefix, r.rid),
             )
         d.call("take_new_block_ids()", lambda s, i: list(s.manager.take_new_block_ids()))
         d.call(
@@ -1031,13 +1048,13 @@ def _run(d: TraceDriver, num_calls: int) -> None:
             n = r.computed
             d.call(
                 f"get_block_ids_for_computed_tokens({r.rid}, {n})",
-                lambda s, i, r=r, n=n: s.manager.get_block_ids_for_computed_tokens(r.rid, n),
+                functools.partial(_ids_for_computed, r.rid, n),
             )
         if cfg.enable_caching and rng.random() < 0.05:
             ids = {rng.randrange(0, cfg.num_blocks) for _ in range(rng.randrange(1, 6))}
             d.call(
                 f"evict_blocks({sorted(ids)})",
-                lambda s, i, ids=ids: s.manager.evict_blocks(set(ids)),
+                functools.partial(_evict, ids),
             )
         if rng.random() < 0.03:
             d.call("reset_prefix_cache()", lambda s, i: s.manager.reset_prefix_cache())

@@ -132,7 +132,7 @@ def _build_error(cfg: TraceConfig, **overrides: Any) -> tuple[type | None, BaseE
 
 
 _F = GroupDesc("full")
-_BAD_CONFIGS = {
+_BAD_CONFIGS: dict[str, dict[str, Any]] = {
     # COORD-7: unitary with caching needs block_size == hash_block_size.
     "unitary-bs-ne-hbs": dict(groups=(GroupDesc("full", 32),), scheduler_block_size=32),
     # COORD-2: scheduler block size must be a multiple of every group's block size.
