@@ -38,7 +38,8 @@ lint: install-dev ## rustfmt, clippy, ruff, mypy --strict and stubtest
 	$(PY) -m ruff check python tests benches kernels
 	$(PY) -m ruff format --check python tests benches kernels
 	$(PY) -m mypy
-	MYPYPATH=python $(PY) -m mypy --strict tests benches
+	MYPYPATH=python $(PY) -m mypy --strict tests
+	MYPYPATH=python $(PY) -m mypy --strict benches
 	cd kernels && $(PY) -m mypy
 	$(PY) -m mypy.stubtest kvcore._native
 
