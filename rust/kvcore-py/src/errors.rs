@@ -14,7 +14,6 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 
 /// The exception classes of `kvcore._native`.
 struct Classes {
-    base: Py<PyType>,
     block_id: Py<PyType>,
     no_free_blocks: Py<PyType>,
     double_free: Py<PyType>,
@@ -94,7 +93,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let mut it = made.into_iter();
     let mut next = || it.next().expect("SPECS has five entries");
     let classes = Classes {
-        base,
         block_id: next(),
         no_free_blocks: next(),
         double_free: next(),
@@ -163,10 +161,4 @@ pub fn to_pyerr(e: PoolError) -> PyErr {
 /// Raises `InvalidArgumentError` with a message.
 pub fn invalid(msg: impl Into<String>) -> PyErr {
     to_pyerr(PoolError::Invalid(msg.into()))
-}
-
-/// The base class `KvcoreError`, for other binding modules.
-#[allow(dead_code)]
-pub fn base_class(py: Python<'_>) -> Option<Bound<'_, PyType>> {
-    CLASSES.get(py).map(|c| c.base.bind(py).clone())
 }
