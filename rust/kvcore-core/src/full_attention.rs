@@ -397,27 +397,12 @@ impl UnitaryFullAttention {
                 t.new_block_ids.extend_from_slice(&e.blocks[have..]);
             }
         }
+        // Caching runs only when a block filled (rarely): the shared path's extra lookup is
+        // not on the per-token path.
         if pool.enable_caching() && !args.delay_cache_blocks {
-            let full = (total + args.num_new_tokens).min(req.num_tokens) / t.block_size;
-            if cached < full {
-                let new = e.blocks.get(cached..full).ok_or_else(|| {
-                    PoolError::Invalid(format!(
-                        "request {} holds {} blocks, fewer than the {full} full ones",
-                        req.id,
-                        e.blocks.len()
-                    ))
-                })?;
-                pool.cache_full_blocks(
-                    new,
-                    cached,
-                    full,
-                    t.block_size,
-                    t.group_id,
-                    None,
-                    hashes,
-                    meta,
-                )?;
-                e.num_cached = Some(full);
+            let n = (total + args.num_new_tokens).min(req.num_tokens);
+            if cached < n / t.block_size {
+                t.cache_blocks(pool, req.id, n, hashes, meta)?;
             }
         }
         Ok(Some(Some(have..have + need)))

@@ -626,11 +626,10 @@ impl BlockPool {
             ))
             .into());
         }
-        let new = new_blocks;
         if let Some(m) = mask {
-            if m.len() != new.len() {
+            if m.len() != new_blocks.len() {
                 return Err(PoolError::MaskLength {
-                    expected: new.len(),
+                    expected: new_blocks.len(),
                     got: m.len(),
                 }
                 .into());
@@ -644,10 +643,10 @@ impl BlockPool {
             }
             .into());
         }
-        self.check_ids(new)?;
+        self.check_ids(new_blocks)?;
         // Gather keys and validate promotions before mutating anything.
-        let mut stored: Vec<(usize, BlockId, BlockKey, u32)> = Vec::with_capacity(new.len());
-        for (i, &blk) in new.iter().enumerate() {
+        let mut stored: Vec<(usize, BlockId, BlockKey, u32)> = Vec::with_capacity(new_blocks.len());
+        for (i, &blk) in new_blocks.iter().enumerate() {
             if blk == 0 || mask.is_some_and(|m| !m[i]) {
                 continue;
             }
