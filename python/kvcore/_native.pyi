@@ -1,9 +1,9 @@
 """Type stubs of the native extension ``kvcore._native``."""
 
-from collections.abc import Iterable, Sequence
-from typing import Any, final
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, final, overload
 
-from typing_extensions import disjoint_base
+from typing_extensions import Self, disjoint_base
 
 __all__ = [
     "AllBlocksCleared",
@@ -16,9 +16,12 @@ __all__ = [
     "DoubleFreeError",
     "InvalidArgumentError",
     "KVCacheBlockView",
+    "KVCacheBlocksBase",
     "KVCacheEvent",
     "KvcoreError",
     "NoFreeBlocksError",
+    "RequestBlockHasher",
+    "RequestCore",
     "UnitaryFullAttention",
     "__version__",
     "digest",
@@ -181,6 +184,38 @@ class UnitaryFullAttention:
     def is_running(self, request_id: str) -> bool: ...
     def num_cached_blocks(self, request_id: str) -> int | None: ...
 
+class KVCacheBlocksBase:
+    """Storage and ``get_block_ids`` of ``kvcore.blocks.KVCacheBlocks`` (SPEC §7)."""
+
+    blocks: tuple[Sequence[int], ...]
+    block_pool: Any
+    def __new__(cls, blocks: Iterable[Sequence[int]], block_pool: Any = None) -> Self: ...
+    @overload
+    def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
+    @overload
+    def get_block_ids(self, allow_none: bool) -> tuple[list[int], ...] | None: ...
+
+class RequestCore:
+    """Native base of ``kvcore.request.Request``: the fields every step reads or writes."""
+
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int
+    status: Any
+    block_hashes: list[bytes]
+    _all_token_ids: list[int]
+    _output_token_ids: list[int]
+    _next_hash_at: int
+    _block_hasher: Any
+    _hash_block_size: int | None
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None: ...
+    def update_block_hashes(self) -> None: ...
+
 # --- events ---
 
 def encode_event_batch(
@@ -219,6 +254,21 @@ def hash_block_tokens(
     hash_fn_name: str, none_hash: bytes, parent: object, tokens: object, extra: object
 ) -> bytes | None:
     """One block hash (SPEC HASH-11), or None when an argument needs the Python serialiser."""
+
+@final
+class RequestBlockHasher:
+    """``hasher(request)`` for the four native hash functions (SPEC RH-1)."""
+
+    @property
+    def hash_block_size(self) -> int: ...
+    def __new__(
+        cls,
+        hash_fn_name: str,
+        hash_block_size: int,
+        none_hash: Callable[[], bytes],
+        fallback: Callable[[Any], list[bytes]],
+    ) -> RequestBlockHasher: ...
+    def __call__(self, request: Any) -> list[bytes]: ...
 
 def hash_request_blocks(
     hash_fn_name: str,

@@ -14,10 +14,9 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol, overload
+from typing import Protocol
 
+from kvcore._native import KVCacheBlocksBase
 from kvcore.errors import InvalidArgumentError, InvariantViolationError
 
 __all__ = ["BlockHashSource", "KVCacheBlocks"]
@@ -36,18 +35,22 @@ class BlockHashSource(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class KVCacheBlocks:
+class KVCacheBlocks(KVCacheBlocksBase):
     """Block ids per KV cache group (KVB-1).
 
+    ``KVCacheBlocks(blocks, block_pool=None)``. Storage, equality (on ``blocks`` and the exact
+    class), ``repr`` and :meth:`get_block_ids` (KVB-2) are native
+    (``kvcore._native.KVCacheBlocksBase``): the scheduler calls ``get_block_ids`` on every
+    result. Instances are unhashable, like the reference's dataclass.
+
     Attributes:
-        blocks: One sequence of block ids per group.
+        blocks: One sequence of block ids per group (a tuple).
         block_pool: The pool the ids belong to; needed only by the ``get_unhashed_*`` methods,
             which read hash state from it. Not part of equality.
     """
 
-    blocks: tuple[Sequence[int], ...]
-    block_pool: BlockHashSource | None = field(default=None, compare=False, repr=False)
+    __slots__ = ()
+    __hash__ = None  # type: ignore[assignment]
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         """Concatenates group by group into lists (KVB-1)."""
@@ -56,36 +59,13 @@ class KVCacheBlocks:
             self.block_pool if self.block_pool is not None else other.block_pool,
         )
 
-    @overload
-    def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
-
-    @overload
-    def get_block_ids(self, allow_none: bool) -> tuple[list[int], ...] | None: ...
-
-    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
-        """Returns the ids as a tuple of new lists, one per group (KVB-2).
-
-        Args:
-            allow_none: Return None instead when every group is empty.
-
-        Returns:
-            The ids per group, or None (see ``allow_none``).
-        """
-        blocks = self.blocks
-        if len(blocks) == 1:
-            if allow_none and not blocks[0]:
-                return None
-            return ([*blocks[0]],)
-        if allow_none and not any(blocks):
-            return None
-        return tuple([*g] for g in blocks)
-
     def _pool(self) -> BlockHashSource:
-        if self.block_pool is None:
+        pool: BlockHashSource | None = self.block_pool
+        if pool is None:
             raise InvalidArgumentError(
                 "this KVCacheBlocks has no block_pool; hash state is unknown"
             )
-        return self.block_pool
+        return pool
 
     def get_unhashed_block_ids(self) -> list[int]:
         """Returns the ids without a primary key, null block included (KVB-3).

@@ -379,8 +379,11 @@ def get_request_block_hasher(
     """A function returning the hashes of a request's new full windows (SPEC RH-1).
 
     The returned callable hashes every new full ``hash_block_size`` window after the request's
-    existing ``block_hashes`` in one native call (without the GIL); per-window extra keys, when
-    the request has any, are computed in Python first.
+    existing ``block_hashes`` in one native call (without the GIL for long runs). For the four
+    built-in functions it is a ``kvcore._native.RequestBlockHasher``, which reads the tokens
+    itself; requests with extra keys (multimodal, LoRA, salt, embeddings) go through a Python
+    closure that computes the per-window keys first. Either has a ``hash_block_size``
+    attribute.
 
     Args:
         hash_block_size: Tokens per hashed window.
@@ -421,6 +424,10 @@ def get_request_block_hasher(
         return new_hashes
 
     request_block_hasher.hash_block_size = hbs  # type: ignore[attr-defined]
+    if name is not None and hbs > 0:
+        # Requests without extra keys are hashed entirely in Rust; the closure above serves
+        # the others.
+        return _native.RequestBlockHasher(name, hbs, _none_hash, request_block_hasher)
     return request_block_hasher
 
 

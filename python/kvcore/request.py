@@ -17,11 +17,11 @@ Examples:
 from __future__ import annotations
 
 import enum
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from kvcore._native import RequestCore
 from kvcore.errors import InvalidArgumentError
 
 __all__ = ["BlockHasher", "Request", "RequestStatus"]
@@ -70,7 +70,7 @@ def _prompt_length(prompt_token_ids: Sequence[int] | None, prompt_embeds: Any) -
     return n_ids
 
 
-class Request:
+class Request(RequestCore):
     """A generation request, as read by the KV cache manager and the block hasher.
 
     Attributes:
@@ -96,15 +96,8 @@ class Request:
     """
 
     __slots__ = (
-        "__weakref__",
-        "_all_token_ids",
-        "_block_hasher",
-        "_hash_block_size",
-        "_next_hash_at",
-        "_output_token_ids",
         "_prompt_embeds_per_block_hashes",
         "arrival_time",
-        "block_hashes",
         "cache_salt",
         "client_index",
         "is_prefill_chunk",
@@ -112,21 +105,17 @@ class Request:
         "lora_request",
         "max_tokens",
         "mm_features",
-        "num_computed_tokens",
         "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
-        "num_tokens",
         "pooling_params",
         "priority",
         "prompt_embeds",
         "prompt_is_token_ids",
         "prompt_token_ids",
-        "request_id",
         "sampling_params",
         "skip_reading_prefix_cache",
         "spec_token_ids",
-        "status",
         "stop_reason",
         "trace_headers",
     )
@@ -198,8 +187,8 @@ class Request:
         self.prompt_is_token_ids = prompt_is_token_ids
         self._prompt_embeds_per_block_hashes: dict[tuple[int, int], bytes] = {}
         self.num_prompt_tokens = _prompt_length(prompt_token_ids, prompt_embeds)
-        self._output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = (
+        self._output_token_ids = []
+        self._all_token_ids = (
             list(prompt_token_ids) if prompt_token_ids is not None else [0] * self.num_prompt_tokens
         )
         self.num_output_placeholders = 0
@@ -222,23 +211,13 @@ class Request:
 
         self.num_tokens = len(self._all_token_ids)
         """Prompt plus output tokens (kept equal to ``len(all_token_ids)``)."""
-        self.block_hashes: list[bytes] = []
+        self.block_hashes = []
         self._block_hasher = block_hasher
         # The hasher produces nothing until the next window is full; a hasher that says its
         # window size lets appends skip the call until then.
-        self._hash_block_size: int | None = getattr(block_hasher, "hash_block_size", None)
+        self._hash_block_size = getattr(block_hasher, "hash_block_size", None)
         self._next_hash_at = 0
         self.update_block_hashes()
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt and output token ids; read-only by contract (use append_output_token_ids)."""
-        return self._all_token_ids
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """Output token ids; read-only by contract."""
-        return self._output_token_ids
 
     @property
     def num_tokens_with_spec(self) -> int:
@@ -259,36 +238,6 @@ class Request:
     def has_encoder_inputs(self) -> bool:
         """Whether the request has multimodal inputs."""
         return bool(self.mm_features)
-
-    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        """Appends output tokens and hashes any newly completed blocks (RH-2).
-
-        Args:
-            token_ids: One token id or a sequence of them.
-        """
-        all_ids = self._all_token_ids
-        if type(token_ids) is int:
-            self._output_token_ids.append(token_ids)
-            all_ids.append(token_ids)
-        elif isinstance(token_ids, int):
-            self._output_token_ids.append(int(token_ids))
-            all_ids.append(int(token_ids))
-        else:
-            self._output_token_ids.extend(token_ids)
-            all_ids.extend(token_ids)
-        n = self.num_tokens = len(all_ids)
-        if n >= self._next_hash_at:
-            self.update_block_hashes()
-
-    def update_block_hashes(self) -> None:
-        """Runs the block hasher and appends the hashes of new full blocks (RH-2)."""
-        if self._block_hasher is None:
-            self._next_hash_at = sys.maxsize
-            return
-        self.block_hashes.extend(self._block_hasher(self))
-        hbs = self._hash_block_size
-        if hbs is not None:
-            self._next_hash_at = (len(self.block_hashes) + 1) * hbs
 
     def is_finished(self) -> bool:
         """Whether the request finished."""

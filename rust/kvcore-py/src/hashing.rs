@@ -9,6 +9,7 @@ use kvcore_core::hash::BlockHash;
 use kvcore_core::hashing::{BlockHasher, HashError, HashFn};
 use kvcore_core::value::Value;
 use pyo3::exceptions::PyValueError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
 
@@ -275,5 +276,150 @@ pub fn hash_request_blocks<'py>(
         )?)),
         Err(HashError::Unsupported(_)) => Ok(None),
         Err(e) => Err(to_py_err(e)),
+    }
+}
+
+/// Hashes above which the GIL is released while hashing.
+const RELEASE_GIL_BLOCKS: usize = 32;
+
+/// Whether the request may have extra hash keys (multimodal features, LoRA, a cache salt or
+/// prompt embeddings): those requests are hashed by the Python fallback.
+fn may_have_extra_keys(request: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = request.py();
+    for name in [
+        intern!(py, "mm_features"),
+        intern!(py, "lora_request"),
+        intern!(py, "cache_salt"),
+    ] {
+        if request.getattr(name)?.is_truthy()? {
+            return Ok(true);
+        }
+    }
+    Ok(match request.getattr(intern!(py, "prompt_embeds")) {
+        Ok(v) => !v.is_none(),
+        Err(_) => false,
+    })
+}
+
+/// `all_tokens[start..end]` as 64-bit ints, or `None` if any is not an exact 64-bit int.
+fn list_tokens(all_tokens: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
+    let mut out = Vec::with_capacity(end - start);
+    for i in start..end {
+        let item = all_tokens.get_item(i).ok()?;
+        if !item.is_exact_instance_of::<PyInt>() {
+            return None;
+        }
+        out.push(item.extract::<i64>().ok()?);
+    }
+    Some(out)
+}
+
+/// The request block hasher of `kvcore.hashing.get_request_block_hasher` for the four native
+/// functions (SPEC RH-1): `hasher(request)` returns the hashes of the request's new full
+/// windows after its existing `block_hashes`.
+///
+/// Requests with extra keys, or with tokens the core cannot serialise, go to `fallback` (the
+/// Python hasher) so that every hash stays byte-identical.
+#[pyclass(module = "kvcore._native", name = "RequestBlockHasher", frozen)]
+pub struct PyRequestBlockHasher {
+    f: HashFn,
+    /// Tokens per hashed window.
+    #[pyo3(get)]
+    hash_block_size: usize,
+    /// Returns the current NONE_HASH (read when a request's first window is hashed).
+    none_hash: PyObject,
+    fallback: PyObject,
+}
+
+impl PyRequestBlockHasher {
+    /// The new hashes of a request whose state is given directly, or `None` for the fallback.
+    ///
+    /// `hashes` is the request's `block_hashes` list, `all_tokens` its token list.
+    pub(crate) fn new_hashes<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        hashes: &Bound<'py, PyList>,
+        all_tokens: &Bound<'py, PyList>,
+        num_tokens: usize,
+    ) -> PyResult<Option<Vec<Bound<'py, PyBytes>>>> {
+        let py = request.py();
+        let hbs = self.hash_block_size;
+        let done = hashes.len();
+        let start = done * hbs;
+        if start + hbs > num_tokens {
+            return Ok(Some(Vec::new()));
+        }
+        if may_have_extra_keys(request)? {
+            return Ok(None);
+        }
+        let end = start + (num_tokens - start) / hbs * hbs;
+        if end > all_tokens.len() {
+            return Ok(None);
+        }
+        let Some(tokens) = list_tokens(all_tokens, start, end) else {
+            return Ok(None);
+        };
+        let parent: Option<Vec<u8>> = if done == 0 {
+            None
+        } else {
+            match hashes.get_item(done - 1)?.downcast_exact::<PyBytes>() {
+                Ok(b) => Some(b.as_bytes().to_vec()),
+                Err(_) => return Ok(None),
+            }
+        };
+        let none_hash: Vec<u8> = if parent.is_none() {
+            self.none_hash.call0(py)?.extract(py)?
+        } else {
+            Vec::new()
+        };
+        let (f, n) = (self.f, tokens.len() / hbs);
+        let run = move || {
+            BlockHasher::new(f, &none_hash).hash_blocks(parent.as_deref(), &tokens, hbs, None)
+        };
+        let result = if n > RELEASE_GIL_BLOCKS {
+            py.allow_threads(run)
+        } else {
+            run()
+        };
+        match result {
+            Ok(out) => Ok(Some(out.iter().map(|h| py_hash(py, h)).collect())),
+            Err(HashError::Unsupported(_)) => Ok(None),
+            Err(e) => Err(to_py_err(e)),
+        }
+    }
+}
+
+#[pymethods]
+impl PyRequestBlockHasher {
+    #[new]
+    fn new(
+        hash_fn_name: &str,
+        hash_block_size: usize,
+        none_hash: PyObject,
+        fallback: PyObject,
+    ) -> PyResult<Self> {
+        if hash_block_size == 0 {
+            return Err(to_py_err(HashError::ZeroBlockSize));
+        }
+        Ok(Self {
+            f: hash_fn(hash_fn_name)?,
+            hash_block_size,
+            none_hash,
+            fallback,
+        })
+    }
+
+    /// The hashes of the request's new full windows (SPEC RH-1).
+    fn __call__<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let py = request.py();
+        let hashes = request.getattr(intern!(py, "block_hashes"))?;
+        let all = request.getattr(intern!(py, "all_token_ids"))?;
+        if let (Ok(h), Ok(a)) = (hashes.downcast::<PyList>(), all.downcast::<PyList>()) {
+            let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
+            if let Some(out) = self.new_hashes(request, h, a, num_tokens)? {
+                return Ok(PyList::new(py, out)?.into_any());
+            }
+        }
+        self.fallback.bind(py).call1((request,))
     }
 }

@@ -6,12 +6,14 @@
 
 use pyo3::prelude::*;
 
+mod blocks;
 mod errors;
 mod events;
 mod hashing;
 mod manager;
 mod msgpack;
 mod pool;
+mod request;
 
 /// The extension module.
 #[pymodule]
@@ -25,6 +27,11 @@ mod _native {
     use super::manager::PyUnitaryFullAttention;
 
     #[pymodule_export]
+    use super::blocks::PyKVCacheBlocks;
+    #[pymodule_export]
+    use super::request::PyRequestCore;
+
+    #[pymodule_export]
     use super::events::{AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent};
 
     #[pymodule_export]
@@ -33,7 +40,9 @@ mod _native {
     use super::msgpack::msgpack_encode;
 
     #[pymodule_export]
-    use super::hashing::{digest, hash_block_tokens, hash_object, hash_request_blocks};
+    use super::hashing::{
+        digest, hash_block_tokens, hash_object, hash_request_blocks, PyRequestBlockHasher,
+    };
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -13,6 +13,7 @@ use pyo3::types::{PyList, PyString, PyTuple};
 
 use crate::errors::{invalid, Error};
 use crate::pool::{cached_prefix, stored_meta, to_hash, PyBlockPool};
+use crate::request::PyRequestCore;
 
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
 const WAITING: i64 = 1;
@@ -157,18 +158,33 @@ impl PyUnitaryFullAttention {
                 }
             }
         }
-        let id_obj = Self::request_id(request)?;
-        let id = id_obj.to_str()?;
-        let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
-        let num_computed: usize = request
-            .getattr(intern!(py, "num_computed_tokens"))?
-            .extract()?;
-        let waiting_or_preempted = if has_scheduled_reqs {
-            let s: i64 = request.getattr(intern!(py, "status"))?.extract()?;
-            s == WAITING || s == PREEMPTED
-        } else {
-            false
+        // A kvcore Request keeps these four fields in its native base: read them directly.
+        let core = match request.downcast::<PyRequestCore>() {
+            Ok(c) => Some(c.try_borrow()?),
+            Err(_) => None,
         };
+        let id_obj;
+        let (id, num_tokens, num_computed, status) = if let Some(c) = &core {
+            (
+                c.id.as_str(),
+                count(c.num_tokens, "num_tokens")?,
+                count(c.num_computed_tokens, "num_computed_tokens")?,
+                c.status_value,
+            )
+        } else {
+            id_obj = Self::request_id(request)?;
+            let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
+            let num_computed: usize = request
+                .getattr(intern!(py, "num_computed_tokens"))?
+                .extract()?;
+            let status: i64 = if has_scheduled_reqs {
+                request.getattr(intern!(py, "status"))?.extract()?
+            } else {
+                0
+            };
+            (id_obj.to_str()?, num_tokens, num_computed, status)
+        };
+        let waiting_or_preempted = has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
         let args = AllocateArgs {
             num_new_tokens: count(num_new_tokens, "num_new_tokens")?,
             num_new_computed_tokens: count(num_new_computed_tokens, "num_new_computed_tokens")?,

@@ -1,0 +1,214 @@
+//! `kvcore._native.RequestCore`: the per-step state of a request, kept in one native object.
+//!
+//! `kvcore.request.Request` subclasses it. The fields every scheduler step reads or writes
+//! (the id, token counts, status, token lists and block hashes) live here, so that
+//! `append_output_token_ids` runs without a Python frame and the Rust manager reads a request's
+//! counts straight from the struct instead of through attribute lookups.
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple};
+
+use crate::hashing::PyRequestBlockHasher;
+
+/// Native base of `kvcore.request.Request`; see the module docs.
+#[pyclass(module = "kvcore._native", name = "RequestCore", subclass, weakref)]
+pub struct PyRequestCore {
+    request_id: Py<PyString>,
+    /// UTF-8 copy of `request_id`, the key of the manager's block tables.
+    pub(crate) id: String,
+    /// Prompt plus output tokens (kept equal to `len(all_token_ids)` by the appends).
+    #[pyo3(get, set)]
+    pub(crate) num_tokens: i64,
+    /// Tokens whose KV is computed; the scheduler maintains it.
+    #[pyo3(get, set)]
+    pub(crate) num_computed_tokens: i64,
+    status: PyObject,
+    /// `int(status)`, or -1 when the status is not an int.
+    pub(crate) status_value: i64,
+    all: Py<PyList>,
+    output: Py<PyList>,
+    /// Hashes of the full hash blocks, append-only (SPEC RH-2).
+    #[pyo3(get, set)]
+    block_hashes: PyObject,
+    /// Token count at which the next hash block is full.
+    #[pyo3(get, set, name = "_next_hash_at")]
+    next_hash_at: i64,
+    /// The block hasher, or None.
+    #[pyo3(get, set, name = "_block_hasher")]
+    block_hasher: PyObject,
+    /// The hasher's window size when it says it (appends skip the hasher until the next
+    /// window is full), else None.
+    #[pyo3(get, set, name = "_hash_block_size")]
+    hash_block_size: Option<i64>,
+}
+
+#[pymethods]
+impl PyRequestCore {
+    /// Empty state; `kvcore.request.Request.__init__` fills it in.
+    #[new]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(
+        py: Python<'_>,
+        _args: &Bound<'_, PyTuple>,
+        _kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> Self {
+        Self {
+            request_id: PyString::new(py, "").unbind(),
+            id: String::new(),
+            num_tokens: 0,
+            num_computed_tokens: 0,
+            status: py.None(),
+            status_value: -1,
+            all: PyList::empty(py).unbind(),
+            output: PyList::empty(py).unbind(),
+            block_hashes: PyList::empty(py).into_any().unbind(),
+            next_hash_at: 0,
+            block_hasher: py.None(),
+            hash_block_size: None,
+        }
+    }
+
+    /// Unique id.
+    #[getter]
+    fn request_id(&self, py: Python<'_>) -> Py<PyString> {
+        self.request_id.clone_ref(py)
+    }
+
+    #[setter]
+    fn set_request_id(&mut self, value: Bound<'_, PyString>) -> PyResult<()> {
+        self.id = value.to_str()?.to_owned();
+        self.request_id = value.unbind();
+        Ok(())
+    }
+
+    /// The request status (SPEC REQ-3).
+    #[getter]
+    fn status(&self, py: Python<'_>) -> PyObject {
+        self.status.clone_ref(py)
+    }
+
+    #[setter]
+    fn set_status(&mut self, value: Bound<'_, PyAny>) {
+        self.status_value = value.extract::<i64>().unwrap_or(-1);
+        self.status = value.unbind();
+    }
+
+    /// Prompt and output token ids; read-only by contract (use `append_output_token_ids`).
+    #[getter]
+    fn all_token_ids(&self, py: Python<'_>) -> Py<PyList> {
+        self.all.clone_ref(py)
+    }
+
+    /// Output token ids; read-only by contract.
+    #[getter]
+    fn output_token_ids(&self, py: Python<'_>) -> Py<PyList> {
+        self.output.clone_ref(py)
+    }
+
+    #[getter(_all_token_ids)]
+    fn get_all(&self, py: Python<'_>) -> Py<PyList> {
+        self.all.clone_ref(py)
+    }
+
+    #[setter(_all_token_ids)]
+    fn set_all(&mut self, value: Bound<'_, PyList>) {
+        self.all = value.unbind();
+    }
+
+    #[getter(_output_token_ids)]
+    fn get_output(&self, py: Python<'_>) -> Py<PyList> {
+        self.output.clone_ref(py)
+    }
+
+    #[setter(_output_token_ids)]
+    fn set_output(&mut self, value: Bound<'_, PyList>) {
+        self.output = value.unbind();
+    }
+
+    /// Appends output tokens and hashes any newly completed blocks (SPEC RH-2).
+    ///
+    /// One int is appended as is (an int subclass as a plain int); anything else is iterated
+    /// into both token lists. When the token count reaches the next full hash block,
+    /// `self.update_block_hashes()` runs.
+    fn append_output_token_ids(slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let need_hash = if let Ok(tok) = token_ids.downcast::<PyInt>() {
+            let tok = if tok.is_exact_instance_of::<PyInt>() {
+                tok.clone()
+            } else {
+                py.get_type::<PyInt>().call1((tok,))?.downcast_into::<PyInt>()?
+            };
+            // Appending an int to a list runs no Python code, so the borrow cannot be re-entered.
+            let mut this = slf.borrow_mut();
+            this.output.bind(py).append(&tok)?;
+            let all = this.all.bind(py);
+            all.append(&tok)?;
+            this.num_tokens = all.len() as i64;
+            this.num_tokens >= this.next_hash_at
+        } else {
+            // Iterating may run Python code: no borrow is held while it does.
+            let (out, all) = {
+                let this = slf.borrow();
+                (this.output.clone_ref(py), this.all.clone_ref(py))
+            };
+            out.bind(py).call_method1(intern!(py, "extend"), (token_ids,))?;
+            all.bind(py).call_method1(intern!(py, "extend"), (token_ids,))?;
+            let n = all.bind(py).len() as i64;
+            let mut this = slf.borrow_mut();
+            this.num_tokens = n;
+            n >= this.next_hash_at
+        };
+        if need_hash {
+            Self::update_block_hashes(slf)?;
+        }
+        Ok(())
+    }
+
+    /// Runs the block hasher and appends the hashes of new full blocks (SPEC RH-2).
+    ///
+    /// A native hasher (`kvcore.hashing.get_request_block_hasher` for the four hash functions)
+    /// reads the tokens straight from this object; any other hasher is called as
+    /// `hasher(request)`. Without a hasher, appends stop trying.
+    fn update_block_hashes(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
+        let (hasher, hashes, all, num_tokens) = {
+            let this = slf.borrow();
+            if this.block_hasher.is_none(py) {
+                drop(this);
+                slf.borrow_mut().next_hash_at = i64::MAX;
+                return Ok(());
+            }
+            (
+                this.block_hasher.clone_ref(py),
+                this.block_hashes.clone_ref(py),
+                this.all.clone_ref(py),
+                this.num_tokens,
+            )
+        };
+        let (hasher, hashes) = (hasher.bind(py), hashes.bind(py));
+        let mut done = false;
+        if let (Ok(native), Ok(list)) = (
+            hasher.downcast::<PyRequestBlockHasher>(),
+            hashes.downcast::<PyList>(),
+        ) {
+            let n = usize::try_from(num_tokens).unwrap_or(0);
+            if let Some(new) = native.get().new_hashes(slf.as_any(), list, all.bind(py), n)? {
+                for h in new {
+                    list.append(h)?;
+                }
+                done = true;
+            }
+        }
+        if !done {
+            let new = hasher.call1((slf,))?;
+            hashes.call_method1(intern!(py, "extend"), (new,))?;
+        }
+        let hbs = slf.borrow().hash_block_size;
+        if let Some(hbs) = hbs {
+            let len = i64::try_from(hashes.len()?).unwrap_or(i64::MAX);
+            slf.borrow_mut().next_hash_at = len.saturating_add(1).saturating_mul(hbs);
+        }
+        Ok(())
+    }
+}
