@@ -15,6 +15,11 @@ output tokens (which hashes new full blocks), ``get_computed_blocks``, ``allocat
 The benchmark reports mean and p99 microseconds per scheduler step for each implementation,
 their ratio, and a checksum over every decision and block id, which must be equal.
 
+kvcore runs twice: ``kvcore`` with the reference's per-request calls, and ``kvcore-batch``,
+whose scheduler allocates each step's running requests with one ``allocate_slots_batch`` call
+(preempting and calling again from the request that did not fit: the same decisions, which the
+checksum proves). Admissions, frees and token appends are per request in both.
+
 Sizes (one full-attention group, block size 16, sha256_cbor, prefix caching on, events off):
 
 - 2000 requests / 8192 blocks: 128 sequences, 4096 tokens per step, 30% unique prompts;
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -175,6 +181,8 @@ class Impl:
     make_request: Callable[[str, list[int]], Any]
     status: Any
     hasher: str
+    batch: bool = False
+    """Whether running requests are allocated with ``allocate_slots_batch``."""
 
 
 def _config(specs: Any, config: Any, dtype: Any, num_blocks: int) -> Any:
@@ -210,7 +218,7 @@ def reference_impl(size: Size) -> Impl:
     return Impl("reference", mgr, make, RequestStatus, "reference")
 
 
-def kvcore_impl(size: Size) -> Impl:
+def kvcore_impl(size: Size, batch: bool = False) -> Impl:
     """kvcore's manager; hashing by ``kvcore.hashing`` or, until it lands, the reference's."""
     from kvcore import config as kconfig
     from kvcore import specs as kspecs
@@ -243,7 +251,8 @@ def kvcore_impl(size: Size) -> Impl:
     def make(rid: str, prompt: list[int]) -> Any:
         return Request(rid, prompt, max_tokens=256, block_hasher=hasher)
 
-    return Impl("kvcore", mgr, make, RequestStatus, origin)
+    name = "kvcore-batch" if batch else "kvcore"
+    return Impl(name, mgr, make, RequestStatus, origin, batch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,37 +332,54 @@ def simulate(impl: Impl, size: Size, convs: list[Conversation]) -> RunResult:
             preempted = False
             i = 0
             while i < len(running) and budget > 0:
-                lv = running[i]
-                r = lv.req
-                n = min(r.num_tokens - r.num_computed_tokens, budget)
-                while True:
-                    t0 = clock()
-                    blocks = mgr.allocate_slots(r, n)
-                    ids = None if blocks is None else blocks.get_block_ids()
-                    spent += clock() - t0
-                    digest.update(f"a{r.request_id}:{n}:{ids}".encode())
-                    if blocks is not None:
-                        scheduled.append((lv, n))
-                        budget -= n
-                        i += 1
-                        break
-                    victim = running.pop()
-                    preempted = True
-                    for j, (q, m) in enumerate(scheduled):
-                        if q is victim:
-                            budget += m
-                            del scheduled[j]
+                if impl.batch:
+                    reqs: list[Any] = []
+                    ns: list[int] = []
+                    left = budget
+                    for lv in itertools.islice(running, i, None):
+                        if left <= 0:
                             break
+                        r = lv.req
+                        n = min(r.num_tokens - r.num_computed_tokens, left)
+                        reqs.append(r)
+                        ns.append(n)
+                        left -= n
                     t0 = clock()
-                    mgr.free(victim.req)
+                    got = mgr.allocate_slots_batch(reqs, ns)
                     spent += clock() - t0
-                    res.preemptions += 1
-                    victim.req.status = st.PREEMPTED
-                    victim.req.num_computed_tokens = 0
-                    victim.req.num_preemptions += 1
-                    waiting.appendleft(victim)
-                    if victim is lv:
+                else:
+                    r = running[i].req
+                    ns = [min(r.num_tokens - r.num_computed_tokens, budget)]
+                    t0 = clock()
+                    blocks = mgr.allocate_slots(r, ns[0])
+                    got = [] if blocks is None else [blocks.get_block_ids()]
+                    spent += clock() - t0
+                for ids, n in zip(got, ns, strict=False):
+                    lv = running[i]
+                    digest.update(f"a{lv.req.request_id}:{n}:{ids}".encode())
+                    scheduled.append((lv, n))
+                    budget -= n
+                    i += 1
+                if len(got) == len(ns):
+                    continue
+                # running[i] did not fit: preempt the last running request, then retry.
+                lv = running[i]
+                digest.update(f"a{lv.req.request_id}:{ns[len(got)]}:None".encode())
+                victim = running.pop()
+                preempted = True
+                for j, (q, m) in enumerate(scheduled):
+                    if q is victim:
+                        budget += m
+                        del scheduled[j]
                         break
+                t0 = clock()
+                mgr.free(victim.req)
+                spent += clock() - t0
+                res.preemptions += 1
+                victim.req.status = st.PREEMPTED
+                victim.req.num_computed_tokens = 0
+                victim.req.num_preemptions += 1
+                waiting.appendleft(victim)
 
             while waiting and budget > 0 and not preempted and len(running) < size.max_num_seqs:
                 lv = waiting[0]
@@ -426,9 +452,12 @@ def _stats(us: list[float]) -> tuple[float, float]:
     return sum(s) / len(s), p99
 
 
-def _record(size: Size, ref: RunResult, kv: RunResult, hasher: str) -> dict[str, Any]:
+def _record(
+    size: Size, ref: RunResult, kv: RunResult, kvb: RunResult, hasher: str
+) -> dict[str, Any]:
     rm, rp = _stats(ref.step_us)
     km, kp = _stats(kv.step_us)
+    bm, bp = _stats(kvb.step_us)
     row = {
         "requests": size.num_requests,
         "num_blocks": size.num_blocks,
@@ -443,12 +472,17 @@ def _record(size: Size, ref: RunResult, kv: RunResult, hasher: str) -> dict[str,
         "reference_p99_us": round(rp, 2),
         "kvcore_mean_us": round(km, 2),
         "kvcore_p99_us": round(kp, 2),
+        "kvcore_batch_mean_us": round(bm, 2),
+        "kvcore_batch_p99_us": round(bp, 2),
         "speedup_mean": round(rm / km, 3) if km else None,
         "speedup_p99": round(rp / kp, 3) if kp else None,
+        "speedup_batch_mean": round(rm / bm, 3) if bm else None,
+        "speedup_batch_p99": round(rp / bp, 3) if bp else None,
         "reference_total_s": round(sum(ref.step_us) / 1e6, 3),
         "kvcore_total_s": round(sum(kv.step_us) / 1e6, 3),
+        "kvcore_batch_total_s": round(sum(kvb.step_us) / 1e6, 3),
         "checksum": kv.checksum,
-        "checksums_match": ref.checksum == kv.checksum,
+        "checksums_match": ref.checksum == kv.checksum == kvb.checksum,
         "kvcore_hasher": hasher,
     }
     data: dict[str, Any] = {}
@@ -466,19 +500,28 @@ def _record(size: Size, ref: RunResult, kv: RunResult, hasher: str) -> dict[str,
 
 
 def _table(name: str, row: dict[str, Any]) -> str:
-    return (
+    lines = [
         f"\n{name}: {row['requests']} requests, {row['num_blocks']} blocks, {row['steps']} "
         f"steps, {row['preemptions']} preemptions, {row['prefix_hit_tokens']}/"
-        f"{row['prompt_tokens']} prompt tokens hit\n"
-        f"  {'impl':10s} {'mean us/step':>14s} {'p99 us/step':>14s} {'total s':>9s}\n"
-        f"  {'reference':10s} {row['reference_mean_us']:14.1f} {row['reference_p99_us']:14.1f} "
-        f"{row['reference_total_s']:9.2f}\n"
-        f"  {'kvcore':10s} {row['kvcore_mean_us']:14.1f} {row['kvcore_p99_us']:14.1f} "
-        f"{row['kvcore_total_s']:9.2f}\n"
-        f"  speedup (reference / kvcore): mean {row['speedup_mean']}x, p99 {row['speedup_p99']}x; "
-        f"checksums match: {row['checksums_match']} ({row['checksum']})\n"
-        f"  kvcore hasher: {row['kvcore_hasher']}"
+        f"{row['prompt_tokens']} prompt tokens hit",
+        f"  {'impl':13s} {'mean us/step':>14s} {'p99 us/step':>14s} {'total s':>9s} "
+        f"{'ratio mean':>11s} {'ratio p99':>10s}",
+    ]
+    for label, key, ratio in (
+        ("reference", "reference", None),
+        ("kvcore", "kvcore", "speedup"),
+        ("kvcore-batch", "kvcore_batch", "speedup_batch"),
+    ):
+        tail = f" {row[ratio + '_mean']:10.2f}x {row[ratio + '_p99']:9.2f}x" if ratio else ""
+        lines.append(
+            f"  {label:13s} {row[key + '_mean_us']:14.1f} {row[key + '_p99_us']:14.1f} "
+            f"{row[key + '_total_s']:9.2f}{tail}"
+        )
+    lines.append(
+        f"  checksums match: {row['checksums_match']} ({row['checksum']}); "
+        f"kvcore hasher: {row['kvcore_hasher']}"
     )
+    return "\n".join(lines)
 
 
 @pytest.mark.slow
@@ -500,9 +543,11 @@ def test_bench_manager(
         lambda: holder.append(simulate(kv_impl, size, convs)), rounds=1, iterations=1
     )
     kv = holder[0]
-    row = _record(size, ref, kv, kv_impl.hasher)
+    kvb = simulate(kvcore_impl(size, batch=True), size, convs)
+    row = _record(size, ref, kv, kvb, kv_impl.hasher)
     benchmark.extra_info.update(row)
     with capsys.disabled():
         print(_table(size.name, row))
-    assert kv.steps == ref.steps
+    assert kv.steps == ref.steps == kvb.steps
     assert kv.checksum == ref.checksum, "kvcore and the reference made different decisions"
+    assert kvb.checksum == ref.checksum, "allocate_slots_batch changed a decision"

@@ -1,9 +1,9 @@
 """Type stubs of the native extension ``kvcore._native``."""
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, final, overload
+from typing import Any, Literal, Self, final, overload
 
-from typing_extensions import Self, disjoint_base
+from typing_extensions import disjoint_base
 
 __all__ = [
     "AllBlocksCleared",
@@ -170,6 +170,12 @@ class UnitaryFullAttention:
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
     ) -> Any | None: ...
+    def allocate_slots_batch(
+        self,
+        requests: Sequence[Any],
+        num_new_tokens: Sequence[int],
+        num_lookahead_tokens: int = 0,
+    ) -> list[tuple[list[int], ...]]: ...
     def free(self, request: Any) -> None: ...
     def pop_blocks_for_free(self, request: Any) -> list[int]: ...
     def get_blocks(self, request_id: str) -> Any: ...
@@ -184,6 +190,7 @@ class UnitaryFullAttention:
     def is_running(self, request_id: str) -> bool: ...
     def num_cached_blocks(self, request_id: str) -> int | None: ...
 
+@disjoint_base
 class KVCacheBlocksBase:
     """Storage and ``get_block_ids`` of ``kvcore.blocks.KVCacheBlocks`` (SPEC §7)."""
 
@@ -195,6 +202,7 @@ class KVCacheBlocksBase:
     @overload
     def get_block_ids(self, allow_none: bool) -> tuple[list[int], ...] | None: ...
 
+@disjoint_base
 class RequestCore:
     """Native base of ``kvcore.request.Request``: the fields every step reads or writes."""
 
@@ -266,7 +274,7 @@ class RequestBlockHasher:
         hash_fn_name: str,
         hash_block_size: int,
         none_hash: Callable[[], bytes],
-        fallback: Callable[[Any], list[bytes]],
+        fallback: Callable[[Any], Any],
     ) -> RequestBlockHasher: ...
     def __call__(self, request: Any) -> list[bytes]: ...
 

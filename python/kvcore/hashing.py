@@ -28,7 +28,7 @@ import logging
 import os
 import pickle
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NewType, overload
+from typing import Any, NewType, cast, overload
 
 from kvcore import _native
 
@@ -427,7 +427,8 @@ def get_request_block_hasher(
     if name is not None and hbs > 0:
         # Requests without extra keys are hashed entirely in Rust; the closure above serves
         # the others.
-        return _native.RequestBlockHasher(name, hbs, _none_hash, request_block_hasher)
+        native = _native.RequestBlockHasher(name, hbs, _none_hash, request_block_hasher)
+        return cast("Callable[[Any], list[BlockHash]]", native)
     return request_block_hasher
 
 

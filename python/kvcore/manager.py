@@ -264,6 +264,7 @@ class KVCacheManager:
         self._native = native
         names = [
             "allocate_slots",
+            "allocate_slots_batch",
             "free",
             "pop_blocks_for_free",
             "get_blocks",
@@ -507,6 +508,50 @@ class KVCacheManager:
                     if cached[request_id] < to_cache // bs:
                         m.cache_blocks(request, to_cache, self._retention)
         return result
+
+    def allocate_slots_batch(
+        self,
+        requests: Sequence[Request],
+        num_new_tokens: Sequence[int],
+        num_lookahead_tokens: int = 0,
+    ) -> list[tuple[list[int], ...]]:
+        """Allocates for a batch of running requests in one call (kvcore extension).
+
+        Equivalent to ``allocate_slots(r, n, num_lookahead_tokens=num_lookahead_tokens)`` for
+        each ``(r, n)`` in order, stopping at the first request that does not fit: the same
+        decisions, blocks and events as that loop, at one boundary crossing per batch for the
+        single full-attention configuration. A scheduler calls it for its running requests
+        and, when it comes back short, preempts and calls again from the request that failed.
+
+        Args:
+            requests: Requests that already hold blocks (no new prefix hits).
+            num_new_tokens: Tokens to compute this step, one count per request.
+            num_lookahead_tokens: Speculative lookahead slots, the same for every request.
+
+        Returns:
+            ``allocate_slots(...).get_block_ids()`` of each request that fit, in order. A result
+            shorter than ``requests`` means ``requests[len(result)]`` got None and the ones after
+            it were not tried.
+
+        Raises:
+            InvalidArgumentError: The two sequences differ in length, or a count is invalid
+                (as ``allocate_slots``). Requests before the failing one stay allocated, as in
+                the loop.
+        """
+        if len(requests) != len(num_new_tokens):
+            raise InvalidArgumentError(
+                f"{len(requests)} requests but {len(num_new_tokens)} token counts"
+            )
+        for n in num_new_tokens:
+            if n < 0:
+                raise InvalidArgumentError(f"num_new_tokens must be non-negative, got {n}")
+        out: list[tuple[list[int], ...]] = []
+        for request, n in zip(requests, num_new_tokens, strict=True):
+            blocks = self.allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)
+            if blocks is None:
+                break
+            out.append(blocks.get_block_ids())
+        return out
 
     def _check_new_computed_blocks(self, request_id: str, ncb: tuple[Sequence[int], ...]) -> None:
         """Rejects hits of the wrong shape, or for a running request, before any mutation."""

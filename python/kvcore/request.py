@@ -241,7 +241,7 @@ class Request(RequestCore):
 
     def is_finished(self) -> bool:
         """Whether the request finished."""
-        return self.status > RequestStatus.PREEMPTED
+        return bool(self.status > RequestStatus.PREEMPTED)
 
     def __lt__(self, other: Request) -> bool:
         if self.priority != other.priority:

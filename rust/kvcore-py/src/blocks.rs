@@ -76,7 +76,7 @@ impl PyKVCacheBlocks {
         op: CompareOp,
     ) -> PyResult<PyObject> {
         let py = slf.py();
-        if !matches!(op, CompareOp::Eq | CompareOp::Ne) || !other.get_type().is(&slf.get_type()) {
+        if !matches!(op, CompareOp::Eq | CompareOp::Ne) || !other.get_type().is(slf.get_type()) {
             return Ok(py.NotImplemented());
         }
         let other = other.downcast::<Self>()?;

@@ -45,6 +45,78 @@ impl PyUnitaryFullAttention {
         self.blocks_cls.call1(py, (groups, self.pool.clone_ref(py)))
     }
 
+    /// One allocation (SPEC ALLOC-1..12) with parsed arguments: the new block ids, or `None`
+    /// when the request does not fit.
+    fn allocate_inner(
+        &mut self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        args: AllocateArgs<'_>,
+    ) -> PyResult<Option<Vec<BlockId>>> {
+        // A kvcore Request keeps these four fields in its native base: read them directly.
+        let core = match request.downcast::<PyRequestCore>() {
+            Ok(c) => Some(c.try_borrow()?),
+            Err(_) => None,
+        };
+        let id_obj;
+        let (id, num_tokens, num_computed, status) = if let Some(c) = &core {
+            (
+                c.id.as_str(),
+                count(c.num_tokens, "num_tokens")?,
+                count(c.num_computed_tokens, "num_computed_tokens")?,
+                c.status_value,
+            )
+        } else {
+            id_obj = Self::request_id(request)?;
+            let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
+            let num_computed: usize = request
+                .getattr(intern!(py, "num_computed_tokens"))?
+                .extract()?;
+            let status: i64 = if args.has_scheduled_reqs {
+                request.getattr(intern!(py, "status"))?.extract()?
+            } else {
+                0
+            };
+            (id_obj.to_str()?, num_tokens, num_computed, status)
+        };
+        let waiting_or_preempted =
+            args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
+        let view = RequestView {
+            id,
+            num_computed_tokens: num_computed,
+            num_tokens,
+            waiting_or_preempted,
+        };
+        // The hash view is read lazily, only when blocks fill.
+        let hashes_obj: std::cell::OnceCell<Bound<'_, PyAny>> = std::cell::OnceCell::new();
+        let fetch = || -> PyResult<&Bound<'_, PyAny>> {
+            if let Some(h) = hashes_obj.get() {
+                return Ok(h);
+            }
+            let h = request.getattr(intern!(py, "block_hashes"))?;
+            Ok(hashes_obj.get_or_init(|| h))
+        };
+        let mut hash_len = || -> Result<usize, Error> { Ok(fetch()?.len()?) };
+        let mut get =
+            |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&fetch()?.get_item(i)?)?) };
+        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
+            Ok(stored_meta(py, request, req)?)
+        };
+        let mut pool = self.pool.borrow_mut(py);
+        let res = self.core.allocate_slots::<Error>(
+            pool.core_mut(),
+            view,
+            args,
+            HashSource {
+                len: &mut hash_len,
+                get: &mut get,
+            },
+            &mut meta,
+        );
+        drop(pool);
+        Ok(res?.map(|range| self.core.tables.blocks(id)[range].to_vec()))
+    }
+
     fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
         Ok(request
             .getattr(intern!(request.py(), "request_id"))?
@@ -158,33 +230,6 @@ impl PyUnitaryFullAttention {
                 }
             }
         }
-        // A kvcore Request keeps these four fields in its native base: read them directly.
-        let core = match request.downcast::<PyRequestCore>() {
-            Ok(c) => Some(c.try_borrow()?),
-            Err(_) => None,
-        };
-        let id_obj;
-        let (id, num_tokens, num_computed, status) = if let Some(c) = &core {
-            (
-                c.id.as_str(),
-                count(c.num_tokens, "num_tokens")?,
-                count(c.num_computed_tokens, "num_computed_tokens")?,
-                c.status_value,
-            )
-        } else {
-            id_obj = Self::request_id(request)?;
-            let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
-            let num_computed: usize = request
-                .getattr(intern!(py, "num_computed_tokens"))?
-                .extract()?;
-            let status: i64 = if has_scheduled_reqs {
-                request.getattr(intern!(py, "status"))?.extract()?
-            } else {
-                0
-            };
-            (id_obj.to_str()?, num_tokens, num_computed, status)
-        };
-        let waiting_or_preempted = has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
         let args = AllocateArgs {
             num_new_tokens: count(num_new_tokens, "num_new_tokens")?,
             num_new_computed_tokens: count(num_new_computed_tokens, "num_new_computed_tokens")?,
@@ -199,46 +244,54 @@ impl PyUnitaryFullAttention {
             reserved_blocks,
             has_scheduled_reqs,
         };
-        let view = RequestView {
-            id,
-            num_computed_tokens: num_computed,
-            num_tokens,
-            waiting_or_preempted,
-        };
-        // The hash view is read lazily, only when blocks fill.
-        let hashes_obj: std::cell::OnceCell<Bound<'_, PyAny>> = std::cell::OnceCell::new();
-        let fetch = || -> PyResult<&Bound<'_, PyAny>> {
-            if let Some(h) = hashes_obj.get() {
-                return Ok(h);
-            }
-            let h = request.getattr(intern!(py, "block_hashes"))?;
-            Ok(hashes_obj.get_or_init(|| h))
-        };
-        let mut hash_len = || -> Result<usize, Error> { Ok(fetch()?.len()?) };
-        let mut get =
-            |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&fetch()?.get_item(i)?)?) };
-        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
-            Ok(stored_meta(py, request, req)?)
-        };
-        let mut pool = self.pool.borrow_mut(py);
-        let res = self.core.allocate_slots::<Error>(
-            pool.core_mut(),
-            view,
-            args,
-            HashSource {
-                len: &mut hash_len,
-                get: &mut get,
-            },
-            &mut meta,
-        );
-        drop(pool);
-        match res? {
+        match self.allocate_inner(py, request, args)? {
             None => Ok(None),
-            Some(range) => {
-                let ids = &self.core.tables.blocks(id)[range];
-                Ok(Some(self.make_blocks(py, ids)?))
+            Some(ids) => Ok(Some(self.make_blocks(py, &ids)?)),
+        }
+    }
+
+    /// `allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)` for each pair
+    /// in order, stopping at the first request that does not fit; see
+    /// `KVCacheManager.allocate_slots_batch`.
+    #[pyo3(signature = (requests, num_new_tokens, num_lookahead_tokens = 0))]
+    fn allocate_slots_batch<'py>(
+        &mut self,
+        py: Python<'py>,
+        requests: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+        num_lookahead_tokens: i64,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let counts = num_new_tokens
+            .try_iter()?
+            .map(|n| count(n?.extract::<i64>()?, "num_new_tokens"))
+            .collect::<PyResult<Vec<usize>>>()?;
+        if requests.len()? != counts.len() {
+            return Err(invalid(format!(
+                "{} requests but {} token counts",
+                requests.len()?,
+                counts.len()
+            )));
+        }
+        let out = PyList::empty(py);
+        for (request, n) in requests.try_iter()?.zip(counts) {
+            let args = AllocateArgs {
+                num_new_tokens: n,
+                num_new_computed_tokens: 0,
+                new_computed_blocks: None,
+                num_lookahead_tokens: lookahead,
+                num_external_computed_tokens: 0,
+                delay_cache_blocks: false,
+                full_sequence_must_fit: false,
+                reserved_blocks: 0,
+                has_scheduled_reqs: true,
+            };
+            match self.allocate_inner(py, &request?, args)? {
+                None => break,
+                Some(ids) => out.append(PyTuple::new(py, [PyList::new(py, ids)?])?)?,
             }
         }
+        Ok(out)
     }
 
     /// SPEC MGR-20.

@@ -131,13 +131,18 @@ impl PyRequestCore {
     /// One int is appended as is (an int subclass as a plain int); anything else is iterated
     /// into both token lists. When the token count reaches the next full hash block,
     /// `self.update_block_hashes()` runs.
-    fn append_output_token_ids(slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn append_output_token_ids(
+        slf: &Bound<'_, Self>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let py = slf.py();
         let need_hash = if let Ok(tok) = token_ids.downcast::<PyInt>() {
             let tok = if tok.is_exact_instance_of::<PyInt>() {
                 tok.clone()
             } else {
-                py.get_type::<PyInt>().call1((tok,))?.downcast_into::<PyInt>()?
+                py.get_type::<PyInt>()
+                    .call1((tok,))?
+                    .downcast_into::<PyInt>()?
             };
             // Appending an int to a list runs no Python code, so the borrow cannot be re-entered.
             let mut this = slf.borrow_mut();
@@ -152,8 +157,10 @@ impl PyRequestCore {
                 let this = slf.borrow();
                 (this.output.clone_ref(py), this.all.clone_ref(py))
             };
-            out.bind(py).call_method1(intern!(py, "extend"), (token_ids,))?;
-            all.bind(py).call_method1(intern!(py, "extend"), (token_ids,))?;
+            out.bind(py)
+                .call_method1(intern!(py, "extend"), (token_ids,))?;
+            all.bind(py)
+                .call_method1(intern!(py, "extend"), (token_ids,))?;
             let n = all.bind(py).len() as i64;
             let mut this = slf.borrow_mut();
             this.num_tokens = n;
@@ -193,7 +200,10 @@ impl PyRequestCore {
             hashes.downcast::<PyList>(),
         ) {
             let n = usize::try_from(num_tokens).unwrap_or(0);
-            if let Some(new) = native.get().new_hashes(slf.as_any(), list, all.bind(py), n)? {
+            if let Some(new) = native
+                .get()
+                .new_hashes(slf.as_any(), list, all.bind(py), n)?
+            {
                 for h in new {
                     list.append(h)?;
                 }
