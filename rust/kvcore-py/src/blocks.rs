@@ -80,8 +80,8 @@ impl PyKVCacheBlocks {
             return Ok(py.NotImplemented());
         }
         let other = other.downcast::<Self>()?;
-        let a = slf.borrow().blocks.clone_ref(py);
-        let b = other.borrow().blocks.clone_ref(py);
+        let a = slf.try_borrow()?.blocks.clone_ref(py);
+        let b = other.try_borrow()?.blocks.clone_ref(py);
         let equal = a.bind(py).eq(b.bind(py))?;
         Ok((equal == matches!(op, CompareOp::Eq))
             .into_pyobject(py)?
@@ -92,7 +92,7 @@ impl PyKVCacheBlocks {
 
     fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
         let name = slf.get_type().qualname()?;
-        let blocks = slf.borrow().blocks.clone_ref(slf.py());
+        let blocks = slf.try_borrow()?.blocks.clone_ref(slf.py());
         Ok(format!("{name}(blocks={})", blocks.bind(slf.py()).repr()?))
     }
 }

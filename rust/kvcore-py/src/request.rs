@@ -145,7 +145,7 @@ impl PyRequestCore {
                     .downcast_into::<PyInt>()?
             };
             // Appending an int to a list runs no Python code, so the borrow cannot be re-entered.
-            let mut this = slf.borrow_mut();
+            let mut this = slf.try_borrow_mut()?;
             this.output.bind(py).append(&tok)?;
             let all = this.all.bind(py);
             all.append(&tok)?;
@@ -154,7 +154,7 @@ impl PyRequestCore {
         } else {
             // Iterating may run Python code: no borrow is held while it does.
             let (out, all) = {
-                let this = slf.borrow();
+                let this = slf.try_borrow()?;
                 (this.output.clone_ref(py), this.all.clone_ref(py))
             };
             out.bind(py)
@@ -162,7 +162,7 @@ impl PyRequestCore {
             all.bind(py)
                 .call_method1(intern!(py, "extend"), (token_ids,))?;
             let n = all.bind(py).len() as i64;
-            let mut this = slf.borrow_mut();
+            let mut this = slf.try_borrow_mut()?;
             this.num_tokens = n;
             n >= this.next_hash_at
         };
@@ -180,10 +180,10 @@ impl PyRequestCore {
     fn update_block_hashes(slf: &Bound<'_, Self>) -> PyResult<()> {
         let py = slf.py();
         let (hasher, hashes, all, num_tokens) = {
-            let this = slf.borrow();
+            let this = slf.try_borrow()?;
             if this.block_hasher.is_none(py) {
                 drop(this);
-                slf.borrow_mut().next_hash_at = i64::MAX;
+                slf.try_borrow_mut()?.next_hash_at = i64::MAX;
                 return Ok(());
             }
             (
@@ -214,10 +214,10 @@ impl PyRequestCore {
             let new = hasher.call1((slf,))?;
             hashes.call_method1(intern!(py, "extend"), (new,))?;
         }
-        let hbs = slf.borrow().hash_block_size;
+        let hbs = slf.try_borrow()?.hash_block_size;
         if let Some(hbs) = hbs {
             let len = i64::try_from(hashes.len()?).unwrap_or(i64::MAX);
-            slf.borrow_mut().next_hash_at = len.saturating_add(1).saturating_mul(hbs);
+            slf.try_borrow_mut()?.next_hash_at = len.saturating_add(1).saturating_mul(hbs);
         }
         Ok(())
     }

@@ -1,0 +1,120 @@
+"""The native parts of a request and of a result: ``RequestCore``, ``RequestBlockHasher`` and
+``KVCacheBlocksBase`` behave as the Python objects they replaced (SPEC §7, §17, RH-1/RH-2)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import cbor2
+import pytest
+
+from kvcore import hashing
+from kvcore.blocks import KVCacheBlocks
+from kvcore.request import Request, RequestStatus
+
+NONE_HASH = hashlib.sha256(cbor2.dumps("0")).digest()
+
+
+def _python_hasher(hbs: int) -> Any:
+    """RH-1 with sha256_cbor written out in Python (no extras)."""
+
+    def hasher(req: Any) -> list[bytes]:
+        out: list[bytes] = []
+        parent = req.block_hashes[-1] if req.block_hashes else NONE_HASH
+        start = len(req.block_hashes) * hbs
+        while start + hbs <= req.num_tokens:
+            block = tuple(req.all_token_ids[start : start + hbs])
+            parent = hashlib.sha256(cbor2.dumps((parent, block, None))).digest()
+            out.append(parent)
+            start += hbs
+        return out
+
+    return hasher
+
+
+@pytest.fixture
+def native_hasher(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    fn = hashing.get_hash_fn_by_name("sha256_cbor")
+    hashing.init_none_hash(fn)
+    h: Any = hashing.get_request_block_hasher(4, fn)
+    assert type(h).__name__ == "RequestBlockHasher" and h.hash_block_size == 4
+    return h
+
+
+def test_native_hasher_matches_python(native_hasher: Any) -> None:
+    """RH-1/RH-2: prompt and appended tokens hash as the Python hasher does, block by block."""
+    a = Request("a", list(range(1, 11)), block_hasher=native_hasher)
+    b = Request("b", list(range(1, 11)), block_hasher=_python_hasher(4))
+    assert len(a.block_hashes) == 2 and a.block_hashes == b.block_hashes
+    for tok in range(100, 120):
+        a.append_output_token_ids(tok)
+        b.append_output_token_ids(tok)
+        assert a.block_hashes == b.block_hashes
+        assert a.num_tokens == b.num_tokens == len(a.all_token_ids)
+    a.append_output_token_ids([7, 8, 9, 10, 11])
+    b.append_output_token_ids([7, 8, 9, 10, 11])
+    assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 8
+
+
+def test_native_hasher_falls_back_for_extra_keys(native_hasher: Any) -> None:
+    """A salted request goes through the Python path: its first hash differs, the rest chain."""
+    plain = Request("p", list(range(1, 9)), block_hasher=native_hasher)
+    salted = Request("s", list(range(1, 9)), cache_salt="salt", block_hasher=native_hasher)
+    assert len(salted.block_hashes) == 2 and salted.block_hashes[0] != plain.block_hashes[0]
+
+
+def test_append_forms_and_counts() -> None:
+    """REQ-1: int, int subclass and iterables append to both lists; num_tokens follows."""
+    r = Request("r", [1, 2, 3])
+    r.append_output_token_ids(True)
+    assert r.output_token_ids == [1] and type(r.output_token_ids[0]) is int
+    r.append_output_token_ids((5, 6))
+    assert r.all_token_ids == [1, 2, 3, 1, 5, 6] and r.num_tokens == 6
+    assert r.num_output_tokens == 3 and r.num_tokens_with_spec == 6
+    with pytest.raises(TypeError):
+        r.append_output_token_ids(None)  # type: ignore[arg-type]
+    assert r.num_tokens == 6
+
+
+def test_fields_and_bad_assignments() -> None:
+    """The native fields read and write like attributes; wrong types raise and change nothing."""
+    r = Request("r", [1, 2, 3])
+    assert r.request_id == "r" and r.status is RequestStatus.WAITING and not r.is_finished()
+    r.num_computed_tokens = 2
+    r.status = RequestStatus.FINISHED_STOPPED
+    assert r.num_computed_tokens == 2 and r.is_finished()
+    with pytest.raises(TypeError):
+        r.request_id = 5  # type: ignore[assignment]
+    with pytest.raises(TypeError):
+        r.num_computed_tokens = "x"  # type: ignore[assignment]
+    with pytest.raises((AttributeError, TypeError)):
+        del r.num_tokens
+    assert r.request_id == "r" and r.num_computed_tokens == 2 and r.num_tokens == 3
+    assert "request_id='r'" in repr(r)
+
+
+def test_no_hasher_stops_trying() -> None:
+    """Without a hasher the request never hashes and appends skip the check."""
+    r = Request("r", list(range(40)))
+    r.append_output_token_ids(list(range(40)))
+    assert r.block_hashes == [] and r._next_hash_at > 10**9
+
+
+def test_kv_cache_blocks_native_base() -> None:
+    """KVB-1/KVB-2: fresh lists per call, equality on blocks and class, unhashable, repr."""
+    a = KVCacheBlocks(([1, 2], (3,)))
+    ids = a.get_block_ids()
+    assert ids == ([1, 2], [3]) and ids[0] is not a.blocks[0]
+    ids[0].append(99)
+    assert a.get_block_ids() == ([1, 2], [3])
+    assert KVCacheBlocks([[1], [2]]).blocks == ([1], [2])  # any iterable of groups
+    assert a == KVCacheBlocks(([1, 2], (3,)), block_pool=object())
+    assert a != KVCacheBlocks(([1], (3,)))
+    with pytest.raises(TypeError):
+        hash(a)
+    assert repr(KVCacheBlocks(((),))) == "KVCacheBlocks(blocks=((),))"
+    assert KVCacheBlocks(((), ())).get_block_ids(allow_none=True) is None
+    with pytest.raises(TypeError):
+        KVCacheBlocks(5)  # type: ignore[arg-type]
