@@ -18,7 +18,8 @@ their ratio, and a checksum over every decision and block id, which must be equa
 kvcore runs twice: ``kvcore`` with the reference's per-request calls, and ``kvcore-batch``,
 whose scheduler allocates each step's running requests with one ``allocate_slots_batch`` call
 (preempting and calling again from the request that did not fit: the same decisions, which the
-checksum proves). Admissions, frees and token appends are per request in both.
+checksum proves) and appends the step's sampled tokens with one
+``append_output_token_ids_batch`` call. Admissions and frees are per request in both.
 
 Sizes (one full-attention group, block size 16, sha256_cbor, prefix caching on, events off):
 
@@ -183,6 +184,8 @@ class Impl:
     hasher: str
     batch: bool = False
     """Whether running requests are allocated with ``allocate_slots_batch``."""
+    append_batch: Callable[[list[Any], list[int]], None] | None = None
+    """Appends one sampled token to each request in one call, or None (one call each)."""
 
 
 def _config(specs: Any, config: Any, dtype: Any, num_blocks: int) -> Any:
@@ -251,8 +254,11 @@ def kvcore_impl(size: Size, batch: bool = False) -> Impl:
     def make(rid: str, prompt: list[int]) -> Any:
         return Request(rid, prompt, max_tokens=256, block_hasher=hasher)
 
+    from kvcore.request import append_output_token_ids_batch
+
     name = "kvcore-batch" if batch else "kvcore"
-    return Impl(name, mgr, make, RequestStatus, origin, batch)
+    appender = append_output_token_ids_batch if batch else None
+    return Impl(name, mgr, make, RequestStatus, origin, batch, appender)
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,15 +414,26 @@ def simulate(impl: Impl, size: Size, convs: list[Conversation]) -> RunResult:
             spent += clock() - t0
             digest.update(f"n{len(new_ids)}".encode())
 
+            sampled: list[_Live] = []
             for lv, n in scheduled:
                 r = lv.req
                 r.num_computed_tokens += n
-                if r.num_computed_tokens < r.num_tokens:
-                    continue
-                tok = 1 + (lv.seed + lv.out * 40503) % (VOCAB - 1)
+                if r.num_computed_tokens >= r.num_tokens:
+                    sampled.append(lv)
+            toks = [1 + (lv.seed + lv.out * 40503) % (VOCAB - 1) for lv in sampled]
+            if impl.append_batch is not None:
+                reqs = [lv.req for lv in sampled]
                 t0 = clock()
-                r.append_output_token_ids(tok)
+                impl.append_batch(reqs, toks)
                 spent += clock() - t0
+            else:
+                for lv, tok in zip(sampled, toks, strict=True):
+                    r = lv.req
+                    t0 = clock()
+                    r.append_output_token_ids(tok)
+                    spent += clock() - t0
+            for lv in sampled:
+                r = lv.req
                 lv.out += 1
                 conv = lv.conv
                 if lv.out >= conv.turns[lv.turn].max_out or r.num_tokens >= size.max_model_len - 1:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 import cbor2
@@ -11,7 +12,7 @@ import pytest
 
 from kvcore import hashing
 from kvcore.blocks import KVCacheBlocks
-from kvcore.request import Request, RequestStatus
+from kvcore.request import Request, RequestStatus, append_output_token_ids_batch
 
 NONE_HASH = hashlib.sha256(cbor2.dumps("0")).digest()
 
@@ -118,3 +119,54 @@ def test_kv_cache_blocks_native_base() -> None:
     assert KVCacheBlocks(((), ())).get_block_ids(allow_none=True) is None
     with pytest.raises(TypeError):
         KVCacheBlocks(5)  # type: ignore[arg-type]
+
+
+class _Counting(Request):
+    """A subclass that overrides the append: the batch call must call the override."""
+
+    __slots__ = ("calls",)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        self.calls = getattr(self, "calls", 0) + 1
+        super().append_output_token_ids(token_ids)
+
+
+class _Duck:
+    """A duck-typed request with only the method."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def append_output_token_ids(self, token_ids: Any) -> None:
+        self.seen.append(token_ids)
+
+
+def test_append_batch_matches_per_request(native_hasher: Any) -> None:
+    """append_output_token_ids_batch == one append_output_token_ids per request."""
+    one = [Request(f"a{i}", list(range(i, i + 7)), block_hasher=native_hasher) for i in range(5)]
+    two = [Request(f"a{i}", list(range(i, i + 7)), block_hasher=native_hasher) for i in range(5)]
+    for step in range(12):
+        toks: list[Any] = [step * 10 + i for i in range(5)]
+        toks[2] = [step, step + 1]
+        append_output_token_ids_batch(one, toks)
+        for r, t in zip(two, toks, strict=True):
+            r.append_output_token_ids(t)
+    for a, b in zip(one, two, strict=True):
+        assert a.all_token_ids == b.all_token_ids and a.num_tokens == b.num_tokens
+        assert a.block_hashes == b.block_hashes and a.block_hashes
+
+
+def test_append_batch_calls_overrides_and_duck_types() -> None:
+    """Objects that are not plain kvcore Requests get their own method called."""
+    plain, counting, duck = Request("p", [1]), _Counting("c", [1]), _Duck()
+    append_output_token_ids_batch([plain, counting, duck, counting], [2, 3, [4, 5], 6])
+    assert plain.output_token_ids == [2] and counting.output_token_ids == [3, 6]
+    assert counting.calls == 2 and duck.seen == [[4, 5]]
+
+
+def test_append_batch_length_mismatch_appends_nothing() -> None:
+    r = Request("r", [1, 2])
+    with pytest.raises(ValueError):
+        append_output_token_ids_batch([r, r], [3])
+    assert r.num_tokens == 2 and r.output_token_ids == []
+    append_output_token_ids_batch([], [])

@@ -24,6 +24,7 @@ __all__ = [
     "RequestCore",
     "UnitaryFullAttention",
     "__version__",
+    "append_output_token_ids_batch",
     "digest",
     "encode_event_batch",
     "hash_block_tokens",
@@ -223,6 +224,15 @@ class RequestCore:
     def output_token_ids(self) -> list[int]: ...
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None: ...
     def update_block_hashes(self) -> None: ...
+
+def append_output_token_ids_batch(
+    requests: Sequence[Any], token_ids: Sequence[int | Iterable[int]]
+) -> None:
+    """``requests[i].append_output_token_ids(token_ids[i])`` for every ``i``, in one call.
+
+    Raises:
+        ValueError: The sequences differ in length (nothing is appended).
+    """
 
 # --- events ---
 

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvcore._native import RequestCore
+from kvcore._native import RequestCore, append_output_token_ids_batch
 from kvcore.errors import InvalidArgumentError
 
-__all__ = ["BlockHasher", "Request", "RequestStatus"]
+__all__ = ["BlockHasher", "Request", "RequestStatus", "append_output_token_ids_batch"]
 
 
 class RequestStatus(enum.IntEnum):

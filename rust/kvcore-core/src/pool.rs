@@ -15,6 +15,7 @@
 //! - every key in the index lists only blocks that hold it (primary or alias), and every key a
 //!   block holds lists that block exactly once.
 
+use hashbrown::hash_map::Entry as MapEntry;
 use hashbrown::HashMap;
 
 use crate::error::PoolError;
@@ -320,29 +321,39 @@ impl BlockPool {
         out
     }
 
-    fn index_insert(&mut self, key: BlockKey, block: BlockId) {
-        match self.index.get_mut(&key) {
-            None => {
-                self.index.insert(key, Entry::One(block));
+    /// Adds `block` under `key` unless the key already lists it (one probe of the index);
+    /// true when it was added.
+    fn index_insert_new(&mut self, key: BlockKey, block: BlockId) -> bool {
+        match self.index.entry(key) {
+            MapEntry::Vacant(v) => {
+                v.insert(Entry::One(block));
+                true
             }
-            Some(e) => match e {
-                Entry::One(b) => *e = Entry::Many(vec![*b, block]),
-                Entry::Many(v) => v.push(block),
-            },
+            MapEntry::Occupied(mut o) => {
+                let e = o.get_mut();
+                if e.contains(block) {
+                    return false;
+                }
+                match e {
+                    Entry::One(b) => *e = Entry::Many(vec![*b, block]),
+                    Entry::Many(v) => v.push(block),
+                }
+                true
+            }
         }
     }
 
     /// SPEC MAP-4: removes `block` from `key`; true when something was removed.
     fn index_remove(&mut self, key: &BlockKey, block: BlockId) -> bool {
-        let Some(e) = self.index.get_mut(key) else {
+        let MapEntry::Occupied(mut o) = self.index.entry(*key) else {
             return false;
         };
-        match e {
+        match o.get_mut() {
             Entry::One(b) => {
                 if *b != block {
                     return false;
                 }
-                self.index.remove(key);
+                o.remove();
                 true
             }
             Entry::Many(v) => {
@@ -351,7 +362,7 @@ impl BlockPool {
                 };
                 v.remove(pos);
                 if v.is_empty() {
-                    self.index.remove(key);
+                    o.remove();
                 }
                 true
             }
@@ -387,7 +398,7 @@ impl BlockPool {
                 return;
             }
         }
-        if self.contains(&key, block) {
+        if !self.index_insert_new(key, block) {
             return;
         }
         if self.has_hash(block) {
@@ -395,14 +406,18 @@ impl BlockPool {
         } else {
             self.set_primary(block, key, num_tokens);
         }
-        self.index_insert(key, block);
     }
 
     /// Removes every key of `block` (primary first, then aliases), resets its hash and emits one
     /// `BlockRemoved` per key actually removed (SPEC POOL-6).
     fn remove_keys(&mut self, block: BlockId) {
         let primary = self.primary_key(block).map(|(k, _)| k);
-        let aliases = self.aliases.remove(&block);
+        // Aliases are rare: skip the probe while there are none.
+        let aliases = if self.aliases.is_empty() {
+            None
+        } else {
+            self.aliases.remove(&block)
+        };
         if primary.is_none() && aliases.is_none() {
             return;
         }

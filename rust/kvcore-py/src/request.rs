@@ -5,9 +5,10 @@
 //! `append_output_token_ids` runs without a Python frame and the Rust manager reads a request's
 //! counts straight from the struct instead of through attribute lookups.
 
+use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::hashing::PyRequestBlockHasher;
 
@@ -135,6 +136,22 @@ impl PyRequestCore {
         slf: &Bound<'_, Self>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        Self::append_one(slf, token_ids)
+    }
+
+    /// Runs the block hasher and appends the hashes of new full blocks (SPEC RH-2).
+    ///
+    /// A native hasher (`kvcore.hashing.get_request_block_hasher` for the four hash functions)
+    /// reads the tokens straight from this object; any other hasher is called as
+    /// `hasher(request)`. Without a hasher, appends stop trying.
+    fn update_block_hashes(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Self::update_hashes(slf)
+    }
+}
+
+impl PyRequestCore {
+    /// `append_output_token_ids` without a Python call.
+    fn append_one(slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
         let need_hash = if let Ok(tok) = token_ids.downcast::<PyInt>() {
             let tok = if tok.is_exact_instance_of::<PyInt>() {
@@ -167,17 +184,13 @@ impl PyRequestCore {
             n >= this.next_hash_at
         };
         if need_hash {
-            Self::update_block_hashes(slf)?;
+            Self::update_hashes(slf)?;
         }
         Ok(())
     }
 
-    /// Runs the block hasher and appends the hashes of new full blocks (SPEC RH-2).
-    ///
-    /// A native hasher (`kvcore.hashing.get_request_block_hasher` for the four hash functions)
-    /// reads the tokens straight from this object; any other hasher is called as
-    /// `hasher(request)`. Without a hasher, appends stop trying.
-    fn update_block_hashes(slf: &Bound<'_, Self>) -> PyResult<()> {
+    /// `update_block_hashes` without a Python call.
+    fn update_hashes(slf: &Bound<'_, Self>) -> PyResult<()> {
         let py = slf.py();
         let (hasher, hashes, all, num_tokens) = {
             let this = slf.try_borrow()?;
@@ -221,4 +234,51 @@ impl PyRequestCore {
         }
         Ok(())
     }
+}
+
+/// Appends `token_ids[i]` (an int or a sequence of ints) to `requests[i]` for every `i`, as
+/// `requests[i].append_output_token_ids(token_ids[i])` does, in one call.
+///
+/// A request whose class keeps `RequestCore`'s own `append_output_token_ids` is appended to
+/// natively; any other object (a duck-typed request, or a subclass overriding the method) has
+/// its method called.
+///
+/// Raises:
+///     ValueError: The two sequences differ in length (nothing is appended).
+#[pyfunction]
+pub fn append_output_token_ids_batch(
+    requests: &Bound<'_, PyAny>,
+    token_ids: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let py = requests.py();
+    let name = intern!(py, "append_output_token_ids");
+    let (n, m) = (requests.len()?, token_ids.len()?);
+    if n != m {
+        return Err(PyValueError::new_err(format!(
+            "{n} requests but {m} token entries"
+        )));
+    }
+    let base = py.get_type::<PyRequestCore>().getattr(name)?;
+    let mut last_type: Option<Bound<'_, PyType>> = None;
+    let mut last_native = false;
+    for (request, tokens) in requests.try_iter()?.zip(token_ids.try_iter()?) {
+        let (request, tokens) = (request?, tokens?);
+        let ty = request.get_type();
+        let native = match &last_type {
+            Some(t) if t.is(&ty) => last_native,
+            _ => {
+                let native =
+                    request.downcast::<PyRequestCore>().is_ok() && ty.getattr(name)?.is(&base);
+                last_type = Some(ty);
+                last_native = native;
+                native
+            }
+        };
+        if native {
+            PyRequestCore::append_one(request.downcast::<PyRequestCore>()?, &tokens)?;
+        } else {
+            request.call_method1(name, (tokens,))?;
+        }
+    }
+    Ok(())
 }
