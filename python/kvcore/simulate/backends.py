@@ -139,6 +139,8 @@ class Backend(ABC):
         RUNNING: The status of a scheduled request.
         PREEMPTED: The status of a preempted request.
         FINISHED: The status of a request that finished by length.
+        batch_calls: Whether the manager has ``allocate_slots_batch`` and requests can be
+            appended with ``append_batch`` (kvcore's one-call-per-step extensions).
     """
 
     name: str
@@ -146,6 +148,12 @@ class Backend(ABC):
     RUNNING: Any
     PREEMPTED: Any
     FINISHED: Any
+    batch_calls: bool = False
+
+    def append_batch(self, requests: list[Any], token_ids: list[int]) -> None:
+        """Appends ``token_ids[i]`` to ``requests[i]`` (one call each unless overridden)."""
+        for request, token in zip(requests, token_ids, strict=True):
+            request.append_output_token_ids(token)
 
     @abstractmethod
     def build_manager(self, model: ModelPreset, settings: ManagerSettings) -> Any:
@@ -181,6 +189,7 @@ class KvcoreBackend(Backend):
     """kvcore's ``KVCacheManager`` (Rust block pool)."""
 
     name = "kvcore"
+    batch_calls = True
 
     def __init__(self) -> None:
         from kvcore import request
@@ -194,6 +203,10 @@ class KvcoreBackend(Backend):
         self.RUNNING = status.RUNNING
         self.PREEMPTED = status.PREEMPTED
         self.FINISHED = status.FINISHED_LENGTH_CAPPED
+
+    def append_batch(self, requests: list[Any], token_ids: list[int]) -> None:
+        """One native call for the whole step (``append_output_token_ids_batch``)."""
+        self._request.append_output_token_ids_batch(requests, token_ids)
 
     def build_manager(self, model: ModelPreset, settings: ManagerSettings) -> Any:
         from kvcore import config, manager, specs

@@ -20,6 +20,10 @@ no connector):
    its output length or the model length finishes and is freed.
 7. ``take_events()`` (with events on) and ``usage``.
 
+With the kvcore backend, step 3 allocates all running requests with one
+``allocate_slots_batch`` call (retrying from the one that did not fit) and step 6 appends with
+one ``append_output_token_ids_batch`` call: the same decisions in one boundary crossing each.
+
 Only the manager-side calls are timed (request construction and hashing included). Every
 decision (hits, allocation results with block ids, preemptions, finishes) feeds a checksum so
 that two backends can be compared decision for decision.
@@ -314,45 +318,57 @@ class Simulator:
         scheduled: list[tuple[_Live, int]] = []
         preempted = False
 
-        # 1. Running requests.
+        # 1. Running requests: allocate in order (all at once with the batch call); when one
+        # does not fit, preempt the last running request and try it again.
         i = 0
+        batch = be.batch_calls
         while i < len(running) and budget > 0:
-            live = running[i]
-            req = live.req
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            n = min(n, max_len - req.num_computed_tokens - 1)
-            if n <= 0:
-                i += 1
-                continue
-            ids: Any = None
-            while True:
-                t0 = perf()
-                new_blocks = mgr.allocate_slots(req, n)
-                if new_blocks is not None:
-                    ids = new_blocks.get_block_ids()
-                ns += perf() - t0
-                if new_blocks is not None:
-                    break
-                victim = running.pop()
-                if victim is live and not running:
-                    raise SimulationStalled(
-                        f"{live.spec.describe()} cannot grow to {req.num_tokens} tokens even "
-                        "when it is the only running request; use a larger --num-blocks"
-                    )
-                ns += self._preempt(victim, log)
-                preempted = True
-                if victim is live:
-                    break
-            if ids is None:
-                log += (_T_ALLOC_FAIL, live.idx, n)
+            plan: list[int] = []  # indices into running
+            counts: list[int] = []
+            left = budget
+            j = i
+            while j < len(running) and left > 0 and (batch or not plan):
+                req = running[j].req
+                n = min(req.num_tokens - req.num_computed_tokens, left)
+                n = min(n, max_len - req.num_computed_tokens - 1)
+                if n > 0:
+                    plan.append(j)
+                    counts.append(n)
+                    left -= n
+                j += 1
+            if not plan:
                 break
-            log += (_T_ALLOC, live.idx, n)
-            for group in ids:
-                log.append(_T_GROUP)
-                log += group
-            scheduled.append((live, n))
-            budget -= n
-            i += 1
+            t0 = perf()
+            if batch:
+                got = mgr.allocate_slots_batch([running[k].req for k in plan], counts)
+            else:
+                new_blocks = mgr.allocate_slots(running[plan[0]].req, counts[0])
+                got = [] if new_blocks is None else [new_blocks.get_block_ids()]
+            ns += perf() - t0
+            for k, n, ids in zip(plan, counts, got, strict=False):
+                live = running[k]
+                log += (_T_ALLOC, live.idx, n)
+                for group in ids:
+                    log.append(_T_GROUP)
+                    log += group
+                scheduled.append((live, n))
+                budget -= n
+            if len(got) == len(plan):
+                i = j
+                continue
+            i = plan[len(got)]
+            live = running[i]
+            victim = running.pop()
+            if victim is live and not running:
+                raise SimulationStalled(
+                    f"{live.spec.describe()} cannot grow to {live.req.num_tokens} tokens even "
+                    "when it is the only running request; use a larger --num-blocks"
+                )
+            ns += self._preempt(victim, log)
+            preempted = True
+            if victim is live:
+                log += (_T_ALLOC_FAIL, live.idx, counts[len(got)])
+                break
 
         # 2. Waiting requests (only when nothing was preempted).
         if not preempted:
@@ -413,14 +429,15 @@ class Simulator:
         # 4. Advance, sample, finish.
         for live, n in scheduled:
             live.req.num_computed_tokens += n
-        sampled: list[tuple[Any, int]] = []
+        sampled: list[Any] = []
+        tokens: list[int] = []
         for live, _ in scheduled:
             req = live.req
             if req.num_computed_tokens >= req.num_tokens:  # not a prefill chunk: it samples
-                sampled.append((req, live.spec.output[req.num_output_tokens]))
+                sampled.append(req)
+                tokens.append(live.spec.output[req.num_output_tokens])
         t0 = perf()
-        for req, token in sampled:
-            req.append_output_token_ids(token)  # hashes a block when it fills
+        be.append_batch(sampled, tokens)  # hashes a block when one fills
         ns += perf() - t0
         finished: list[_Live] = []
         for live, _ in scheduled:
