@@ -176,3 +176,36 @@ def test_batch_bad_input_changes_nothing(kind: str) -> None:
         m.allocate_slots_batch([r], [1], num_lookahead_tokens=-2)
     assert _pool(m).get_all_free_block_ids() == free
     assert m.get_block_ids("r") == held
+
+
+def test_one_request_object_across_managers_frees_and_renames() -> None:
+    """The native manager's per-request slot hint never points at another table or request."""
+    m1, m2 = _manager("native", 40), _manager("native", 40)
+    other = Request("o", list(range(100, 140)), max_tokens=9, block_hasher=_hasher())
+    assert m2.allocate_slots(other, 40) is not None  # m2's ids now differ from m1's
+    r = Request("r", list(range(1, 33)), max_tokens=9, block_hasher=_hasher())
+    assert m1.allocate_slots(r, 32) is not None and m2.allocate_slots(r, 32) is not None
+    r.num_computed_tokens = 32
+    r.status = RequestStatus.RUNNING
+    for _ in range(20):  # alternate managers: each must grow its own table
+        for m in (m1, m2):
+            assert m.allocate_slots(r, 1) is not None
+        r.append_output_token_ids(7)
+        r.num_computed_tokens += 1
+    t1, t2 = m1.get_block_ids("r")[0], m2.get_block_ids("r")[0]
+    assert len(t1) == len(t2) == 4 and t1 != t2
+    m1.free(r)  # r's entry in m1 is gone; a new request takes its slot
+    x = Request("x", list(range(50, 66)), max_tokens=9, block_hasher=_hasher())
+    assert m1.allocate_slots(x, 16) is not None
+    x_table = m1.get_block_ids("x")
+    r.status = RequestStatus.PREEMPTED
+    r.num_computed_tokens = 0
+    hits, n = m1.get_computed_blocks(r)
+    assert m1.allocate_slots(r, r.num_tokens - n, n, hits) is not None
+    assert m1.get_block_ids("x") == x_table
+    r.request_id = "renamed"  # the same object under a new id is a new request
+    r.status = RequestStatus.WAITING
+    assert m1.allocate_slots(r, r.num_tokens) is not None
+    assert m1.get_block_ids("x") == x_table and m1.get_block_ids("renamed")[0]
+    _pool(m1).check_invariants()
+    _pool(m2).check_invariants()

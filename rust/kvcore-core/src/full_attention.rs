@@ -9,6 +9,8 @@
 //!
 //! Request ids are strings, as in the reference. Nothing here knows about Python.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use hashbrown::HashMap;
 
 use crate::error::PoolError;
@@ -31,14 +33,58 @@ pub struct RequestBlocks {
     pub num_cached: Option<usize>,
 }
 
+/// Where a request's entry lives in one [`FullAttentionTables`]: a caller that keeps it next
+/// to the request (kvcore's native request does) skips the id lookup on the next call.
+///
+/// A hint is valid while the entry it names exists: removing an entry bumps its slot's
+/// generation, so a stale hint is detected, and `uid` tells tables apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SlotHint {
+    /// The tables' unique id (never 0 for real tables).
+    pub uid: u64,
+    /// Index of the entry's slot.
+    pub slot: u32,
+    /// The slot's generation when the hint was taken.
+    pub generation: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Slot {
+    generation: u64,
+    entry: Option<RequestBlocks>,
+}
+
+static NEXT_UID: AtomicU64 = AtomicU64::new(1);
+
 /// The block tables of one full-attention group (SPEC STM-1..10, FA-1, FA-2).
-#[derive(Debug, Clone)]
+///
+/// Entries live in a slab of slots; `index` maps request ids to slots.
+#[derive(Debug)]
 pub struct FullAttentionTables {
     block_size: usize,
     group_id: u32,
     record_new_ids: bool,
-    reqs: HashMap<String, RequestBlocks>,
+    uid: u64,
+    index: HashMap<String, u32>,
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
     new_block_ids: Vec<BlockId>,
+}
+
+impl Clone for FullAttentionTables {
+    /// A copy with its own uid (hints of the original do not apply to it).
+    fn clone(&self) -> Self {
+        Self {
+            block_size: self.block_size,
+            group_id: self.group_id,
+            record_new_ids: self.record_new_ids,
+            uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            index: self.index.clone(),
+            slots: self.slots.clone(),
+            free_slots: self.free_slots.clone(),
+            new_block_ids: self.new_block_ids.clone(),
+        }
+    }
 }
 
 impl FullAttentionTables {
@@ -49,9 +95,63 @@ impl FullAttentionTables {
             block_size,
             group_id,
             record_new_ids,
-            reqs: HashMap::new(),
+            uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            index: HashMap::new(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
             new_block_ids: Vec::new(),
         }
+    }
+
+    fn slot_of(&self, id: &str) -> Option<u32> {
+        self.index.get(id).copied()
+    }
+
+    fn at(&self, slot: u32) -> Option<&RequestBlocks> {
+        self.slots.get(slot as usize).and_then(|s| s.entry.as_ref())
+    }
+
+    fn lookup(&self, id: &str) -> Option<&RequestBlocks> {
+        self.slot_of(id).and_then(|s| self.at(s))
+    }
+
+    /// The slot of `hint` when it is still valid for these tables.
+    fn hinted(&self, hint: Option<SlotHint>) -> Option<u32> {
+        let h = hint?;
+        let slot = self.slots.get(h.slot as usize)?;
+        (h.uid == self.uid && slot.generation == h.generation && slot.entry.is_some())
+            .then_some(h.slot)
+    }
+
+    /// A hint for the request's entry, if it has one. Valid until the entry is removed.
+    pub fn hint(&self, id: &str) -> Option<SlotHint> {
+        let slot = self.slot_of(id)?;
+        Some(SlotHint {
+            uid: self.uid,
+            slot,
+            generation: self.slots[slot as usize].generation,
+        })
+    }
+
+    /// Whether `hint` still names a live entry of these tables.
+    pub fn hint_is_valid(&self, hint: Option<SlotHint>) -> bool {
+        self.hinted(hint).is_some()
+    }
+
+    /// The request's blocks through a valid hint, else by id (empty when unknown).
+    pub fn blocks_hinted(&self, id: &str, hint: Option<SlotHint>) -> &[BlockId] {
+        match self.hinted(hint) {
+            Some(s) => self.at(s).map_or(&[], |r| r.blocks.as_slice()),
+            None => self.blocks(id),
+        }
+    }
+
+    fn remove(&mut self, id: &str) -> Option<RequestBlocks> {
+        let slot = self.index.remove(id)?;
+        let s = &mut self.slots[slot as usize];
+        s.generation = s.generation.wrapping_add(1);
+        self.free_slots.push(slot);
+        s.entry.take()
     }
 
     /// Tokens per block.
@@ -61,29 +161,49 @@ impl FullAttentionTables {
 
     /// The request's blocks (empty when unknown).
     pub fn blocks(&self, id: &str) -> &[BlockId] {
-        self.reqs.get(id).map_or(&[], |r| r.blocks.as_slice())
+        self.lookup(id).map_or(&[], |r| r.blocks.as_slice())
     }
 
     /// The request's state, if it has an entry.
     pub fn get(&self, id: &str) -> Option<&RequestBlocks> {
-        self.reqs.get(id)
+        self.lookup(id)
     }
 
     /// Number of requests with an entry (the reference's `len(req_to_blocks)`).
     pub fn num_entries(&self) -> usize {
-        self.reqs.len()
+        self.index.len()
     }
 
     /// Whether the request is running (has a `num_cached_block` entry).
     pub fn is_running(&self, id: &str) -> bool {
-        self.reqs.get(id).is_some_and(|r| r.num_cached.is_some())
+        self.lookup(id).is_some_and(|r| r.num_cached.is_some())
     }
 
     fn entry(&mut self, id: &str) -> &mut RequestBlocks {
-        if !self.reqs.contains_key(id) {
-            self.reqs.insert(id.to_owned(), RequestBlocks::default());
+        let slot = self.entry_slot(id);
+        self.slots[slot as usize]
+            .entry
+            .as_mut()
+            .expect("a slot in the index holds an entry")
+    }
+
+    /// The slot of the request's entry, created empty when missing.
+    fn entry_slot(&mut self, id: &str) -> u32 {
+        match self.slot_of(id) {
+            Some(s) => s,
+            None => {
+                let s = match self.free_slots.pop() {
+                    Some(s) => s,
+                    None => {
+                        self.slots.push(Slot::default());
+                        u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 requests")
+                    }
+                };
+                self.slots[s as usize].entry = Some(RequestBlocks::default());
+                self.index.insert(id.to_owned(), s);
+                s
+            }
         }
-        self.reqs.get_mut(id).expect("inserted above")
     }
 
     /// SPEC STM-2 for full attention (no skipped tokens, no cap).
@@ -99,8 +219,7 @@ impl FullAttentionTables {
     ) -> Result<usize, PoolError> {
         let required = cdiv(num_tokens, self.block_size);
         let (have, running) = self
-            .reqs
-            .get(id)
+            .lookup(id)
             .map_or((0, false), |r| (r.blocks.len(), r.num_cached.is_some()));
         if running {
             if !hits.is_empty() {
@@ -163,7 +282,11 @@ impl FullAttentionTables {
     /// Grows the request's table to `want` blocks (SPEC STM-3's core), recording new ids.
     fn grow_to(&mut self, pool: &mut BlockPool, id: &str, want: usize) -> Result<(), PoolError> {
         let record = self.record_new_ids;
-        let e = self.reqs.entry_ref(id).or_default();
+        let slot = self.entry_slot(id) as usize;
+        let e = self.slots[slot]
+            .entry
+            .as_mut()
+            .expect("a slot in the index holds an entry");
         let have = e.blocks.len();
         if want <= have {
             return Ok(());
@@ -204,7 +327,7 @@ impl FullAttentionTables {
         hashes: HashSource<'_, E>,
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<(), E> {
-        let cached = self.reqs.get(id).and_then(|r| r.num_cached).unwrap_or(0);
+        let cached = self.lookup(id).and_then(|r| r.num_cached).unwrap_or(0);
         let full = num_tokens / self.block_size;
         if cached >= full {
             return Ok(());
@@ -224,7 +347,7 @@ impl FullAttentionTables {
 
     /// SPEC STM-10: removes the request's state and returns its blocks in allocation order.
     pub fn pop(&mut self, id: &str) -> Vec<BlockId> {
-        self.reqs.remove(id).map(|r| r.blocks).unwrap_or_default()
+        self.remove(id).map(|r| r.blocks).unwrap_or_default()
     }
 
     /// SPEC MGR-20: frees the request's blocks, last block first. Unknown ids do nothing.
@@ -232,11 +355,11 @@ impl FullAttentionTables {
     /// # Errors
     /// Only if the pool's counts were corrupted from outside; the state is then unchanged.
     pub fn free(&mut self, pool: &mut BlockPool, id: &str) -> Result<(), PoolError> {
-        let Some(r) = self.reqs.get(id) else {
+        let Some(r) = self.lookup(id) else {
             return Ok(());
         };
         pool.free_blocks_iter(r.blocks.iter().rev().copied())?;
-        self.reqs.remove(id);
+        self.remove(id);
         Ok(())
     }
 
@@ -244,7 +367,7 @@ impl FullAttentionTables {
     /// reference, asking about an unknown id creates an empty entry.
     pub fn get_num_common_prefix_blocks(&mut self, pool: &BlockPool, id: &str) -> usize {
         self.entry(id);
-        let n = self.reqs.len() as i64;
+        let n = self.index.len() as i64;
         self.blocks(id)
             .iter()
             .take_while(|&&b| i64::from(pool.ref_cnt(b)) == n)
@@ -258,7 +381,7 @@ impl FullAttentionTables {
 
     /// Every request id with an entry.
     pub fn request_ids(&self) -> impl Iterator<Item = &str> {
-        self.reqs.keys().map(String::as_str)
+        self.index.keys().map(String::as_str)
     }
 }
 
@@ -273,6 +396,8 @@ pub struct RequestView<'a> {
     pub num_tokens: usize,
     /// Whether `request.status` is WAITING or PREEMPTED (ALLOC-3).
     pub waiting_or_preempted: bool,
+    /// Where the request's entry was last seen, if the caller kept it (see [`SlotHint`]).
+    pub hint: Option<SlotHint>,
 }
 
 /// The arguments of `allocate_slots` (SPEC §8.1).
@@ -380,7 +505,11 @@ impl UnitaryFullAttention {
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<Option<Option<std::ops::Range<usize>>>, E> {
         let t = &mut self.tables;
-        let Some(e) = t.reqs.get_mut(req.id) else {
+        let slot = match t.hinted(req.hint) {
+            Some(s) => Some(s),
+            None => t.slot_of(req.id),
+        };
+        let Some(e) = slot.and_then(|s| t.slots.get_mut(s as usize)?.entry.as_mut()) else {
             return Ok(None);
         };
         let Some(cached) = e.num_cached else {
@@ -500,6 +629,7 @@ mod tests {
             num_computed_tokens: computed,
             num_tokens: tokens,
             waiting_or_preempted: true,
+            hint: None,
         }
     }
 
@@ -524,6 +654,29 @@ mod tests {
             )
             .unwrap()?;
         Some(m.tables.blocks(r.id)[range].to_vec())
+    }
+
+    /// Slot hints: valid while the entry lives, stale after a free (even when the slot is
+    /// reused by another request), and never valid for other tables.
+    #[test]
+    fn slot_hints_follow_entries() {
+        let mut p = BlockPool::new(20, false, 16, false).unwrap();
+        let mut t = FullAttentionTables::new(16, 0, false);
+        t.allocate_new_blocks(&mut p, "a", 20).unwrap();
+        let ha = t.hint("a");
+        assert!(t.hint_is_valid(ha));
+        assert_eq!(t.blocks_hinted("zzz", ha), t.blocks("a"));
+        t.free(&mut p, "a").unwrap();
+        assert!(!t.hint_is_valid(ha));
+        t.allocate_new_blocks(&mut p, "b", 40).unwrap();
+        let hb = t.hint("b");
+        assert_eq!(hb.map(|h| h.slot), ha.map(|h| h.slot), "the slot is reused");
+        assert!(!t.hint_is_valid(ha) && t.hint_is_valid(hb));
+        assert_eq!(t.blocks_hinted("a", ha), &[] as &[BlockId]);
+        let other = FullAttentionTables::new(16, 0, false);
+        assert!(!other.hint_is_valid(hb));
+        assert!(!t.clone().hint_is_valid(hb), "a clone has its own uid");
+        assert_eq!(t.hint("nobody"), None);
     }
 
     /// SPEC §19 S1 at the core level.

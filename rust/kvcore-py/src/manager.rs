@@ -81,11 +81,13 @@ impl PyUnitaryFullAttention {
         };
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
+        let hint = core.as_ref().and_then(|c| c.table_hint.get());
         let view = RequestView {
             id,
             num_computed_tokens: num_computed,
             num_tokens,
             waiting_or_preempted,
+            hint,
         };
         // The hash view is read lazily, only when blocks fill.
         let hashes_obj: std::cell::OnceCell<Bound<'_, PyAny>> = std::cell::OnceCell::new();
@@ -114,7 +116,17 @@ impl PyUnitaryFullAttention {
             &mut meta,
         );
         drop(pool);
-        Ok(res?.map(|range| self.core.tables.blocks(id)[range].to_vec()))
+        let res = res?;
+        let tables = &self.core.tables;
+        let hint = match &core {
+            Some(c) if !tables.hint_is_valid(hint) => {
+                let fresh = tables.hint(id);
+                c.table_hint.set(fresh);
+                fresh
+            }
+            _ => hint,
+        };
+        Ok(res.map(|range| tables.blocks_hinted(id, hint)[range].to_vec()))
     }
 
     fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {

@@ -6,6 +6,9 @@
 //! counts straight from the struct instead of through attribute lookups.
 
 use pyo3::exceptions::PyValueError;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use kvcore_core::full_attention::SlotHint;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple, PyType};
@@ -42,6 +45,38 @@ pub struct PyRequestCore {
     /// window is full), else None.
     #[pyo3(get, set, name = "_hash_block_size")]
     hash_block_size: Option<i64>,
+    /// Where the Rust manager last found this request's block table (skips the id lookup).
+    pub(crate) table_hint: HintCell,
+}
+
+/// A [`SlotHint`] that can be updated through a shared borrow. The three parts are separate
+/// atomics; they are only read and written with the GIL held (every access goes through a
+/// `Bound` of this object), so a reader never sees parts of two different hints.
+#[derive(Debug, Default)]
+pub(crate) struct HintCell {
+    uid: AtomicU64,
+    slot: AtomicU32,
+    generation: AtomicU64,
+}
+
+impl HintCell {
+    /// The stored hint (`None` when unset: uid 0 belongs to no tables).
+    pub(crate) fn get(&self) -> Option<SlotHint> {
+        let uid = self.uid.load(Ordering::Relaxed);
+        (uid != 0).then(|| SlotHint {
+            uid,
+            slot: self.slot.load(Ordering::Relaxed),
+            generation: self.generation.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Stores `hint` (or clears it).
+    pub(crate) fn set(&self, hint: Option<SlotHint>) {
+        let h = hint.unwrap_or_default();
+        self.slot.store(h.slot, Ordering::Relaxed);
+        self.generation.store(h.generation, Ordering::Relaxed);
+        self.uid.store(h.uid, Ordering::Relaxed);
+    }
 }
 
 #[pymethods]
@@ -67,6 +102,7 @@ impl PyRequestCore {
             next_hash_at: 0,
             block_hasher: py.None(),
             hash_block_size: None,
+            table_hint: HintCell::default(),
         }
     }
 
@@ -80,6 +116,7 @@ impl PyRequestCore {
     fn set_request_id(&mut self, value: Bound<'_, PyString>) -> PyResult<()> {
         self.id = value.to_str()?.to_owned();
         self.request_id = value.unbind();
+        self.table_hint.set(None);
         Ok(())
     }
 
