@@ -21,6 +21,10 @@ whose scheduler allocates each step's running requests with one ``allocate_slots
 checksum proves) and appends the step's sampled tokens with one
 ``append_output_token_ids_batch`` call. Admissions and frees are per request in both.
 
+The three run in lockstep, 25 scheduler steps each in turn (``run_lockstep``): this machine's
+speed drifts by tens of percent over seconds, and taking turns makes every implementation see
+the same drift.
+
 Sizes (one full-attention group, block size 16, sha256_cbor, prefix caching on, events off):
 
 - 2000 requests / 8192 blocks: 128 sequences, 4096 tokens per step, 30% unique prompts;
@@ -42,7 +46,7 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -298,13 +302,17 @@ class RunResult:
     wall_s: float = 0.0
 
 
-def simulate(impl: Impl, size: Size, convs: list[Conversation]) -> RunResult:
-    """Run the workload on ``impl``; time only the KV-manager work."""
+def simulate_steps(
+    impl: Impl, size: Size, convs: list[Conversation], res: RunResult
+) -> Iterator[None]:
+    """Runs the workload on ``impl`` into ``res``, yielding after every scheduler step.
+
+    Only the KV-manager work is timed. The caller handles the garbage collector.
+    """
     mgr = impl.manager
     st = impl.status
     clock = time.perf_counter_ns
     digest = hashlib.blake2b(digest_size=16)
-    res = RunResult()
     arrivals: dict[int, list[tuple[Conversation, int]]] = {}
     for c in convs:
         arrivals.setdefault(c.arrival, []).append((c, 0))
@@ -314,153 +322,180 @@ def simulate(impl: Impl, size: Size, convs: list[Conversation]) -> RunResult:
     pending = sum(len(c.turns) for c in convs)
     step = 0
     t_wall = time.perf_counter()
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
-        while pending:
-            step += 1
-            spent = 0
-            for conv, k in arrivals.pop(step, ()):
-                prompt = history.get(conv.cid, conv.system) + conv.turns[k].user
-                rid = f"c{conv.cid}t{k}"
-                t0 = clock()
-                req = impl.make_request(rid, prompt)
-                spent += clock() - t0
-                res.requests += 1
-                res.prompt_tokens += len(prompt)
-                waiting.append(_Live(conv, k, req, _token_seed(rid)))
-
+    while pending:
+        step += 1
+        spent = 0
+        for conv, k in arrivals.pop(step, ()):
+            prompt = history.get(conv.cid, conv.system) + conv.turns[k].user
+            rid = f"c{conv.cid}t{k}"
             t0 = clock()
-            mgr.new_step_starts()
+            req = impl.make_request(rid, prompt)
             spent += clock() - t0
-            budget = size.max_num_batched_tokens
-            scheduled: list[tuple[_Live, int]] = []
-            preempted = False
-            i = 0
-            while i < len(running) and budget > 0:
-                if impl.batch:
-                    reqs: list[Any] = []
-                    ns: list[int] = []
-                    left = budget
-                    for lv in itertools.islice(running, i, None):
-                        if left <= 0:
-                            break
-                        r = lv.req
-                        n = min(r.num_tokens - r.num_computed_tokens, left)
-                        reqs.append(r)
-                        ns.append(n)
-                        left -= n
-                    t0 = clock()
-                    got = mgr.allocate_slots_batch(reqs, ns)
-                    spent += clock() - t0
-                else:
-                    r = running[i].req
-                    ns = [min(r.num_tokens - r.num_computed_tokens, budget)]
-                    t0 = clock()
-                    blocks = mgr.allocate_slots(r, ns[0])
-                    got = [] if blocks is None else [blocks.get_block_ids()]
-                    spent += clock() - t0
-                for ids, n in zip(got, ns, strict=False):
-                    lv = running[i]
-                    digest.update(f"a{lv.req.request_id}:{n}:{ids}".encode())
-                    scheduled.append((lv, n))
-                    budget -= n
-                    i += 1
-                if len(got) == len(ns):
-                    continue
-                # running[i] did not fit: preempt the last running request, then retry.
-                lv = running[i]
-                digest.update(f"a{lv.req.request_id}:{ns[len(got)]}:None".encode())
-                victim = running.pop()
-                preempted = True
-                for j, (q, m) in enumerate(scheduled):
-                    if q is victim:
-                        budget += m
-                        del scheduled[j]
+            res.requests += 1
+            res.prompt_tokens += len(prompt)
+            waiting.append(_Live(conv, k, req, _token_seed(rid)))
+
+        t0 = clock()
+        mgr.new_step_starts()
+        spent += clock() - t0
+        budget = size.max_num_batched_tokens
+        scheduled: list[tuple[_Live, int]] = []
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            if impl.batch:
+                reqs: list[Any] = []
+                ns: list[int] = []
+                left = budget
+                for lv in itertools.islice(running, i, None):
+                    if left <= 0:
                         break
+                    r = lv.req
+                    n = min(r.num_tokens - r.num_computed_tokens, left)
+                    reqs.append(r)
+                    ns.append(n)
+                    left -= n
                 t0 = clock()
-                mgr.free(victim.req)
-                spent += clock() - t0
-                res.preemptions += 1
-                victim.req.status = st.PREEMPTED
-                victim.req.num_computed_tokens = 0
-                victim.req.num_preemptions += 1
-                waiting.appendleft(victim)
-
-            while waiting and budget > 0 and not preempted and len(running) < size.max_num_seqs:
-                lv = waiting[0]
-                r = lv.req
-                t0 = clock()
-                hit_blocks, hits = mgr.get_computed_blocks(r)
-                spent += clock() - t0
-                n = min(r.num_tokens - hits, budget)
-                t0 = clock()
-                blocks = mgr.allocate_slots(r, n, hits, hit_blocks)
-                ids = None if blocks is None else blocks.get_block_ids()
-                spent += clock() - t0
-                digest.update(f"w{r.request_id}:{hits}:{n}:{ids}".encode())
-                if blocks is None:
-                    break
-                waiting.popleft()
-                res.hit_tokens += hits
-                r.num_computed_tokens = hits
-                r.status = st.RUNNING
-                running.append(lv)
-                scheduled.append((lv, n))
-                budget -= n
-
-            t0 = clock()
-            new_ids = mgr.take_new_block_ids()
-            spent += clock() - t0
-            digest.update(f"n{len(new_ids)}".encode())
-
-            sampled: list[_Live] = []
-            for lv, n in scheduled:
-                r = lv.req
-                r.num_computed_tokens += n
-                if r.num_computed_tokens >= r.num_tokens:
-                    sampled.append(lv)
-            toks = [1 + (lv.seed + lv.out * 40503) % (VOCAB - 1) for lv in sampled]
-            if impl.append_batch is not None:
-                reqs = [lv.req for lv in sampled]
-                t0 = clock()
-                impl.append_batch(reqs, toks)
+                got = mgr.allocate_slots_batch(reqs, ns)
                 spent += clock() - t0
             else:
-                for lv, tok in zip(sampled, toks, strict=True):
-                    r = lv.req
-                    t0 = clock()
-                    r.append_output_token_ids(tok)
-                    spent += clock() - t0
-            for lv in sampled:
+                r = running[i].req
+                ns = [min(r.num_tokens - r.num_computed_tokens, budget)]
+                t0 = clock()
+                blocks = mgr.allocate_slots(r, ns[0])
+                got = [] if blocks is None else [blocks.get_block_ids()]
+                spent += clock() - t0
+            for ids, n in zip(got, ns, strict=False):
+                lv = running[i]
+                digest.update(f"a{lv.req.request_id}:{n}:{ids}".encode())
+                scheduled.append((lv, n))
+                budget -= n
+                i += 1
+            if len(got) == len(ns):
+                continue
+            # running[i] did not fit: preempt the last running request, then retry.
+            lv = running[i]
+            digest.update(f"a{lv.req.request_id}:{ns[len(got)]}:None".encode())
+            victim = running.pop()
+            preempted = True
+            for j, (q, m) in enumerate(scheduled):
+                if q is victim:
+                    budget += m
+                    del scheduled[j]
+                    break
+            t0 = clock()
+            mgr.free(victim.req)
+            spent += clock() - t0
+            res.preemptions += 1
+            victim.req.status = st.PREEMPTED
+            victim.req.num_computed_tokens = 0
+            victim.req.num_preemptions += 1
+            waiting.appendleft(victim)
+
+        while waiting and budget > 0 and not preempted and len(running) < size.max_num_seqs:
+            lv = waiting[0]
+            r = lv.req
+            t0 = clock()
+            hit_blocks, hits = mgr.get_computed_blocks(r)
+            spent += clock() - t0
+            n = min(r.num_tokens - hits, budget)
+            t0 = clock()
+            blocks = mgr.allocate_slots(r, n, hits, hit_blocks)
+            ids = None if blocks is None else blocks.get_block_ids()
+            spent += clock() - t0
+            digest.update(f"w{r.request_id}:{hits}:{n}:{ids}".encode())
+            if blocks is None:
+                break
+            waiting.popleft()
+            res.hit_tokens += hits
+            r.num_computed_tokens = hits
+            r.status = st.RUNNING
+            running.append(lv)
+            scheduled.append((lv, n))
+            budget -= n
+
+        t0 = clock()
+        new_ids = mgr.take_new_block_ids()
+        spent += clock() - t0
+        digest.update(f"n{len(new_ids)}".encode())
+
+        sampled: list[_Live] = []
+        for lv, n in scheduled:
+            r = lv.req
+            r.num_computed_tokens += n
+            if r.num_computed_tokens >= r.num_tokens:
+                sampled.append(lv)
+        toks = [1 + (lv.seed + lv.out * 40503) % (VOCAB - 1) for lv in sampled]
+        if impl.append_batch is not None:
+            reqs = [lv.req for lv in sampled]
+            t0 = clock()
+            impl.append_batch(reqs, toks)
+            spent += clock() - t0
+        else:
+            for lv, tok in zip(sampled, toks, strict=True):
                 r = lv.req
-                lv.out += 1
-                conv = lv.conv
-                if lv.out >= conv.turns[lv.turn].max_out or r.num_tokens >= size.max_model_len - 1:
-                    running.remove(lv)
-                    t0 = clock()
-                    mgr.free(r)
-                    spent += clock() - t0
-                    r.status = st.FINISHED_STOPPED
-                    pending -= 1
-                    digest.update(f"f{r.request_id}".encode())
-                    nxt = lv.turn + 1
-                    if nxt < len(conv.turns):
-                        context = list(r.all_token_ids)
-                        if len(context) + 300 + 200 < size.max_model_len:
-                            history[conv.cid] = context
-                            arrivals.setdefault(step + 1 + conv.think[nxt], []).append((conv, nxt))
-                        else:
-                            pending -= len(conv.turns) - nxt
-            res.step_us.append(spent / 1000.0)
-    finally:
-        if gc_was:
-            gc.enable()
+                t0 = clock()
+                r.append_output_token_ids(tok)
+                spent += clock() - t0
+        for lv in sampled:
+            r = lv.req
+            lv.out += 1
+            conv = lv.conv
+            if lv.out >= conv.turns[lv.turn].max_out or r.num_tokens >= size.max_model_len - 1:
+                running.remove(lv)
+                t0 = clock()
+                mgr.free(r)
+                spent += clock() - t0
+                r.status = st.FINISHED_STOPPED
+                pending -= 1
+                digest.update(f"f{r.request_id}".encode())
+                nxt = lv.turn + 1
+                if nxt < len(conv.turns):
+                    context = list(r.all_token_ids)
+                    if len(context) + 300 + 200 < size.max_model_len:
+                        history[conv.cid] = context
+                        arrivals.setdefault(step + 1 + conv.think[nxt], []).append((conv, nxt))
+                    else:
+                        pending -= len(conv.turns) - nxt
+        res.step_us.append(spent / 1000.0)
+        yield
     res.steps = step
     res.wall_s = time.perf_counter() - t_wall
     digest.update(f"{mgr.block_pool.get_num_free_blocks()}".encode())
     res.checksum = digest.hexdigest()
-    return res
+
+
+def run_lockstep(
+    impls: list[Impl], size: Size, convs: list[Conversation], chunk: int = 25
+) -> list[RunResult]:
+    """Runs the implementations on the same workload, ``chunk`` scheduler steps each in turn.
+
+    The machine's speed drifts over seconds (the reference's time per step moved by 60%
+    between separate runs); taking turns every few steps makes every implementation see the
+    same drift, so the ratios are stable, while each still runs mostly on its own warm caches
+    (taking turns every step would hand each one the caches the previous one left). Each
+    ``wall_s`` then spans the whole run.
+    """
+    results = [RunResult() for _ in impls]
+    live = [simulate_steps(i, size, convs, r) for i, r in zip(impls, results, strict=True)]
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        while live:
+            for g in list(live):
+                for _ in range(chunk):
+                    if next(g, StopIteration) is StopIteration:
+                        live.remove(g)
+                        break
+    finally:
+        if gc_was:
+            gc.enable()
+    return results
+
+
+def simulate(impl: Impl, size: Size, convs: list[Conversation]) -> RunResult:
+    """Runs the workload on ``impl`` alone."""
+    return run_lockstep([impl], size, convs)[0]
 
 
 def _stats(us: list[float]) -> tuple[float, float]:
@@ -553,15 +588,13 @@ def test_bench_manager(
     """Same workload on both managers: equal decisions, and the per-step cost of each."""
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # both NONE_HASHes from the same seed
     convs = make_workload(size)
-    ref = simulate(reference_impl(size), size, convs)
-    kv_impl = kvcore_impl(size)
-    holder: list[RunResult] = []
+    impls = [reference_impl(size), kvcore_impl(size), kvcore_impl(size, batch=True)]
+    holder: list[list[RunResult]] = []
     benchmark.pedantic(
-        lambda: holder.append(simulate(kv_impl, size, convs)), rounds=1, iterations=1
+        lambda: holder.append(run_lockstep(impls, size, convs)), rounds=1, iterations=1
     )
-    kv = holder[0]
-    kvb = simulate(kvcore_impl(size, batch=True), size, convs)
-    row = _record(size, ref, kv, kvb, kv_impl.hasher)
+    ref, kv, kvb = holder[0]
+    row = _record(size, ref, kv, kvb, impls[1].hasher)
     benchmark.extra_info.update(row)
     with capsys.disabled():
         print(_table(size.name, row))
