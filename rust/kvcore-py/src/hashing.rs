@@ -138,7 +138,7 @@ fn tokens_any(obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
     tokens_of(&list.to_tuple())
 }
 
-fn py_hash<'py>(py: Python<'py>, h: &BlockHash) -> Bound<'py, PyBytes> {
+pub(crate) fn py_hash<'py>(py: Python<'py>, h: &BlockHash) -> Bound<'py, PyBytes> {
     PyBytes::new(py, h.as_bytes())
 }
 
@@ -302,16 +302,16 @@ fn may_have_extra_keys(request: &Bound<'_, PyAny>) -> PyResult<bool> {
 }
 
 /// `all_tokens[start..end]` as 64-bit ints, or `None` if any is not an exact 64-bit int.
+///
+/// The range is copied into a tuple first (CPython's own loop takes the references), then read
+/// through borrowed items: no per-token reference-count calls.
 fn list_tokens(all_tokens: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
-    let mut out = Vec::with_capacity(end - start);
-    for i in start..end {
-        let item = all_tokens.get_item(i).ok()?;
-        if !item.is_exact_instance_of::<PyInt>() {
-            return None;
-        }
-        out.push(item.extract::<i64>().ok()?);
-    }
-    Some(out)
+    let tuple = if start == 0 && end == all_tokens.len() {
+        all_tokens.to_tuple()
+    } else {
+        all_tokens.get_slice(start, end).to_tuple()
+    };
+    tokens_of(&tuple)
 }
 
 /// The request block hasher of `kvcore.hashing.get_request_block_hasher` for the four native
@@ -341,7 +341,7 @@ impl PyRequestBlockHasher {
         hashes: &Bound<'py, PyList>,
         all_tokens: &Bound<'py, PyList>,
         num_tokens: usize,
-    ) -> PyResult<Option<Vec<Bound<'py, PyBytes>>>> {
+    ) -> PyResult<Option<Vec<BlockHash>>> {
         let py = request.py();
         let hbs = self.hash_block_size;
         let done = hashes.len();
@@ -382,7 +382,7 @@ impl PyRequestBlockHasher {
             run()
         };
         match result {
-            Ok(out) => Ok(Some(out.iter().map(|h| py_hash(py, h)).collect())),
+            Ok(out) => Ok(Some(out)),
             Err(HashError::Unsupported(_)) => Ok(None),
             Err(e) => Err(to_py_err(e)),
         }
@@ -417,7 +417,7 @@ impl PyRequestBlockHasher {
         if let (Ok(h), Ok(a)) = (hashes.downcast::<PyList>(), all.downcast::<PyList>()) {
             let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
             if let Some(out) = self.new_hashes(request, h, a, num_tokens)? {
-                return Ok(PyList::new(py, out)?.into_any());
+                return Ok(PyList::new(py, out.iter().map(|x| py_hash(py, x)))?.into_any());
             }
         }
         self.fallback.bind(py).call1((request,))

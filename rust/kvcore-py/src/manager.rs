@@ -89,7 +89,9 @@ impl PyUnitaryFullAttention {
             waiting_or_preempted,
             hint,
         };
-        // The hash view is read lazily, only when blocks fill.
+        // A kvcore Request's native copy of its hashes, when it matches the list.
+        let mirror = core.as_ref().and_then(|c| c.mirrored_hashes(py));
+        // Otherwise the hash list is read lazily, only when blocks fill.
         let hashes_obj: std::cell::OnceCell<Bound<'_, PyAny>> = std::cell::OnceCell::new();
         let fetch = || -> PyResult<&Bound<'_, PyAny>> {
             if let Some(h) = hashes_obj.get() {
@@ -98,9 +100,18 @@ impl PyUnitaryFullAttention {
             let h = request.getattr(intern!(py, "block_hashes"))?;
             Ok(hashes_obj.get_or_init(|| h))
         };
-        let mut hash_len = || -> Result<usize, Error> { Ok(fetch()?.len()?) };
-        let mut get =
-            |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&fetch()?.get_item(i)?)?) };
+        let mut hash_len = || -> Result<usize, Error> {
+            match mirror {
+                Some(m) => Ok(m.len()),
+                None => Ok(fetch()?.len()?),
+            }
+        };
+        let mut get = |i: usize| -> Result<BlockHash, Error> {
+            match mirror {
+                Some(m) => Ok(m[i]),
+                None => Ok(to_hash(&fetch()?.get_item(i)?)?),
+            }
+        };
         let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
             Ok(stored_meta(py, request, req)?)
         };
@@ -187,13 +198,30 @@ impl PyUnitaryFullAttention {
         {
             return Ok((self.empty.clone_ref(py), 0));
         }
-        let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
-        let hashes = request.getattr(intern!(py, "block_hashes"))?;
         let bs = self.core.tables.block_size();
-        let max_blocks = num_tokens.saturating_sub(1) / bs;
-        let mut hit = cached_prefix(pool.core(), &hashes, max_blocks, &[0], 1)?
-            .pop()
-            .unwrap_or_default();
+        let core = match request.downcast::<PyRequestCore>() {
+            Ok(c) => Some(c.try_borrow()?),
+            Err(_) => None,
+        };
+        let mirror = core.as_ref().and_then(|c| c.mirrored_hashes(py));
+        let mut hit = match (&core, mirror) {
+            (Some(c), Some(m)) => {
+                let max_blocks = count(c.num_tokens, "num_tokens")?.saturating_sub(1) / bs;
+                let walk = m.iter().take(max_blocks).copied();
+                pool.core()
+                    .longest_cached_prefix(walk, &[0])
+                    .pop()
+                    .unwrap_or_default()
+            }
+            _ => {
+                let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
+                let hashes = request.getattr(intern!(py, "block_hashes"))?;
+                let max_blocks = num_tokens.saturating_sub(1) / bs;
+                cached_prefix(pool.core(), &hashes, max_blocks, &[0], 1)?
+                    .pop()
+                    .unwrap_or_default()
+            }
+        };
         if self.core.use_eagle() && !hit.is_empty() {
             hit.pop();
         }

@@ -9,11 +9,13 @@ use pyo3::exceptions::PyValueError;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use kvcore_core::full_attention::SlotHint;
+use kvcore_core::hash::BlockHash;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 
-use crate::hashing::PyRequestBlockHasher;
+use crate::hashing::{py_hash, PyRequestBlockHasher};
+use crate::pool::to_hash;
 
 /// Native base of `kvcore.request.Request`; see the module docs.
 #[pyclass(module = "kvcore._native", name = "RequestCore", subclass, weakref)]
@@ -33,8 +35,11 @@ pub struct PyRequestCore {
     all: Py<PyList>,
     output: Py<PyList>,
     /// Hashes of the full hash blocks, append-only (SPEC RH-2).
-    #[pyo3(get, set)]
+    #[pyo3(get)]
     block_hashes: PyObject,
+    /// A native copy of `block_hashes`, kept as hashes are appended through this object; the
+    /// Rust manager reads it instead of the list while their lengths agree.
+    mirror: Vec<BlockHash>,
     /// Token count at which the next hash block is full.
     #[pyo3(get, set, name = "_next_hash_at")]
     next_hash_at: i64,
@@ -99,11 +104,18 @@ impl PyRequestCore {
             all: PyList::empty(py).unbind(),
             output: PyList::empty(py).unbind(),
             block_hashes: PyList::empty(py).into_any().unbind(),
+            mirror: Vec::new(),
             next_hash_at: 0,
             block_hasher: py.None(),
             hash_block_size: None,
             table_hint: HintCell::default(),
         }
+    }
+
+    #[setter]
+    fn set_block_hashes(&mut self, value: PyObject) {
+        self.mirror.clear();
+        self.block_hashes = value;
     }
 
     /// Unique id.
@@ -187,6 +199,12 @@ impl PyRequestCore {
 }
 
 impl PyRequestCore {
+    /// The block hashes as native values, when the mirror matches the `block_hashes` list.
+    pub(crate) fn mirrored_hashes(&self, py: Python<'_>) -> Option<&[BlockHash]> {
+        let list = self.block_hashes.bind(py).downcast::<PyList>().ok()?;
+        (list.len() == self.mirror.len()).then_some(self.mirror.as_slice())
+    }
+
     /// `append_output_token_ids` without a Python call.
     fn append_one(slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
@@ -244,18 +262,24 @@ impl PyRequestCore {
             )
         };
         let (hasher, hashes) = (hasher.bind(py), hashes.bind(py));
+        let list = hashes.downcast::<PyList>().ok();
+        let before = list.map(|l| l.len());
+        let in_sync = before == Some(slf.try_borrow()?.mirror.len());
         let mut done = false;
-        if let (Ok(native), Ok(list)) = (
-            hasher.downcast::<PyRequestBlockHasher>(),
-            hashes.downcast::<PyList>(),
-        ) {
+        if let (Ok(native), Some(list)) = (hasher.downcast::<PyRequestBlockHasher>(), list) {
             let n = usize::try_from(num_tokens).unwrap_or(0);
             if let Some(new) = native
                 .get()
                 .new_hashes(slf.as_any(), list, all.bind(py), n)?
             {
-                for h in new {
-                    list.append(h)?;
+                for h in &new {
+                    list.append(py_hash(py, h))?;
+                }
+                let mut this = slf.try_borrow_mut()?;
+                if in_sync && this.block_hashes.is(hashes) {
+                    this.mirror.extend_from_slice(&new);
+                } else {
+                    this.mirror.clear();
                 }
                 done = true;
             }
@@ -263,6 +287,26 @@ impl PyRequestCore {
         if !done {
             let new = hasher.call1((slf,))?;
             hashes.call_method1(intern!(py, "extend"), (new,))?;
+            // Mirror what the Python hasher appended, or give the mirror up.
+            let mut added = Vec::new();
+            let mut ok = in_sync;
+            if let (true, Some(list), Some(before)) = (ok, list, before) {
+                for i in before..list.len() {
+                    match to_hash(&list.get_item(i)?) {
+                        Ok(h) => added.push(h),
+                        Err(_) => {
+                            ok = false;
+                            break;
+                        }
+                    }
+                }
+            }
+            let mut this = slf.try_borrow_mut()?;
+            if ok && this.block_hashes.is(hashes) {
+                this.mirror.extend_from_slice(&added);
+            } else {
+                this.mirror.clear();
+            }
         }
         let hbs = slf.try_borrow()?.hash_block_size;
         if let Some(hbs) = hbs {
