@@ -170,3 +170,29 @@ def test_append_batch_length_mismatch_appends_nothing() -> None:
         append_output_token_ids_batch([r, r], [3])
     assert r.num_tokens == 2 and r.output_token_ids == []
     append_output_token_ids_batch([], [])
+
+
+def test_manager_reads_the_list_when_it_differs_from_the_native_copy(native_hasher: Any) -> None:
+    """The Rust manager's native copy of the hashes never hides a change to the list."""
+    from kvcore.config import KVCacheConfig, KVCacheGroupSpec
+    from kvcore.manager import KVCacheManager
+    from kvcore.specs import FullAttentionSpec
+
+    spec = FullAttentionSpec(4, num_kv_heads=1, head_size=8, dtype="float16")
+    m = KVCacheManager(
+        KVCacheConfig(30, [], [KVCacheGroupSpec(["a"], spec)]),
+        max_model_len=256,
+        scheduler_block_size=4,
+        hash_block_size=4,
+    )
+    a = Request("a", list(range(1, 17)), block_hasher=native_hasher)
+    assert m.allocate_slots(a, 16) is not None
+    m.free(a)  # a's 4 blocks are cached
+    b = Request("b", list(range(101, 117)), block_hasher=native_hasher)
+    assert m.get_computed_blocks(b)[1] == 0
+    b.block_hashes = list(a.block_hashes)  # reassigned: b now claims a's prefix
+    assert m.get_computed_blocks(b)[1] == 12
+    c = Request("c", list(range(101, 117)), block_hasher=native_hasher)
+    c.block_hashes.clear()
+    c.block_hashes.extend(a.block_hashes[:2])  # edited in place: lengths differ from the copy
+    assert m.get_computed_blocks(c)[1] == 8
