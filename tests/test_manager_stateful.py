@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.manager import KVCacheManager
-from kvcore.request import Request, RequestStatus
+from kvcore.request import Request, RequestStatus, append_output_token_ids_batch
 from kvcore.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 BS = 16
@@ -152,6 +152,21 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         r.num_computed_tokens += k
         self._record_content(r)
+
+    @precondition(lambda self: bool(self.running))
+    @rule(data=st.data())
+    def decode_batch(self, data: st.DataObject) -> None:
+        """A step's decode through the batch calls; the request that does not fit is preempted."""
+        rids = data.draw(st.permutations(sorted(self.running)))
+        reqs = [self.running[rid] for rid in rids if self.running[rid].num_tokens < 240]
+        append_output_token_ids_batch(reqs, [r.num_tokens % 5 for r in reqs])
+        got = self.mgr.allocate_slots_batch(reqs, [1] * len(reqs))
+        assert len(got) <= len(reqs)
+        for r in reqs[: len(got)]:
+            r.num_computed_tokens += 1
+            self._record_content(r)
+        for r in reqs[len(got) :]:
+            self._preempt(r.request_id)
 
     def _preempt(self, rid: str) -> None:
         r = self.running.pop(rid)
