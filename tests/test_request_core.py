@@ -196,3 +196,23 @@ def test_manager_reads_the_list_when_it_differs_from_the_native_copy(native_hash
     c.block_hashes.clear()
     c.block_hashes.extend(a.block_hashes[:2])  # edited in place: lengths differ from the copy
     assert m.get_computed_blocks(c)[1] == 8
+
+
+def test_request_cycles_are_collected() -> None:
+    """A hasher that refers back to its request does not keep the request alive."""
+    import gc
+    import weakref
+
+    class Holder:
+        req: Any = None
+
+        def __call__(self, req: Any) -> list[bytes]:
+            return []
+
+    h = Holder()
+    r = Request("cyc", [1, 2, 3], block_hasher=h)
+    h.req = r  # r -> hasher -> r
+    ref = weakref.ref(r)
+    del r, h
+    gc.collect()
+    assert ref() is None

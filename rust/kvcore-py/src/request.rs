@@ -5,14 +5,15 @@
 //! `append_output_token_ids` runs without a Python frame and the Rust manager reads a request's
 //! counts straight from the struct instead of through attribute lookups.
 
-use pyo3::exceptions::PyValueError;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use kvcore_core::full_attention::SlotHint;
 use kvcore_core::hash::BlockHash;
+use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::{PyTraverseError, PyVisit};
 
 use crate::hashing::{py_hash, PyRequestBlockHasher};
 use crate::pool::to_hash;
@@ -110,6 +111,28 @@ impl PyRequestCore {
             hash_block_size: None,
             table_hint: HintCell::default(),
         }
+    }
+
+    /// Lets the cycle collector see the objects this request holds (a hasher or a status
+    /// object that refers back to the request would otherwise keep it alive forever).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.request_id)?;
+        visit.call(&self.status)?;
+        visit.call(&self.all)?;
+        visit.call(&self.output)?;
+        visit.call(&self.block_hashes)?;
+        visit.call(&self.block_hasher)?;
+        Ok(())
+    }
+
+    /// Breaks cycles through the objects that can hold one (status, hashes, hasher).
+    fn __clear__(&mut self) {
+        Python::with_gil(|py| {
+            self.status = py.None();
+            self.block_hashes = py.None();
+            self.block_hasher = py.None();
+            self.mirror.clear();
+        });
     }
 
     #[setter]
