@@ -216,3 +216,26 @@ def test_request_cycles_are_collected() -> None:
     del r, h
     gc.collect()
     assert ref() is None
+
+
+def test_output_token_ids_is_a_live_read_only_view() -> None:
+    """REQ-1: output_token_ids follows later appends and behaves as a read-only list."""
+    r = Request("v", [9, 9, 9])
+    out = r.output_token_ids
+    assert out == [] and len(out) == 0 and not out and r.num_output_tokens == 0
+    r.append_output_token_ids([4, 5, 4])
+    assert out == [4, 5, 4] and r.output_token_ids == out and list(out) == [4, 5, 4]
+    assert out[0] == 4 and out[-1] == 4 and out[1:] == [5, 4] and 5 in out and 9 not in out
+    assert out.index(4, 1) == 2 and out.count(4) == 2 and repr(out) == "[4, 5, 4]"
+    assert r.num_output_tokens == 3 and r.all_token_ids == [9, 9, 9, 4, 5, 4]
+    with pytest.raises(IndexError):
+        out[3]
+    with pytest.raises(ValueError):
+        out.index(7)
+    with pytest.raises(TypeError):
+        out[0] = 1  # type: ignore[index]
+    with pytest.raises(TypeError):
+        hash(out)
+    assert out != [4, 5] and (out == (4, 5, 4)) is False
+    r._output_token_ids = [1]  # the tail of the token list is replaced
+    assert r.all_token_ids == [9, 9, 9, 1] and out == [1]

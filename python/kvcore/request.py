@@ -225,11 +225,6 @@ class Request(RequestCore):
         return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        """Output tokens."""
-        return len(self._output_token_ids)
-
-    @property
     def num_encoder_inputs(self) -> int:
         """Multimodal inputs."""
         return len(self.mm_features)

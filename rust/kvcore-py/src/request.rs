@@ -9,10 +9,11 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use kvcore_core::full_attention::SlotHint;
 use kvcore_core::hash::BlockHash;
-use pyo3::exceptions::PyValueError;
+use pyo3::basic::CompareOp;
+use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyInt, PyIterator, PyList, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::hashing::{py_hash, PyRequestBlockHasher};
@@ -34,7 +35,8 @@ pub struct PyRequestCore {
     /// `int(status)`, or -1 when the status is not an int.
     pub(crate) status_value: i64,
     all: Py<PyList>,
-    output: Py<PyList>,
+    /// Where the output tokens start in `all` (the prompt length).
+    output_start: usize,
     /// Hashes of the full hash blocks, append-only (SPEC RH-2).
     #[pyo3(get)]
     block_hashes: PyObject,
@@ -103,7 +105,7 @@ impl PyRequestCore {
             status: py.None(),
             status_value: -1,
             all: PyList::empty(py).unbind(),
-            output: PyList::empty(py).unbind(),
+            output_start: 0,
             block_hashes: PyList::empty(py).into_any().unbind(),
             mirror: Vec::new(),
             next_hash_at: 0,
@@ -119,7 +121,6 @@ impl PyRequestCore {
         visit.call(&self.request_id)?;
         visit.call(&self.status)?;
         visit.call(&self.all)?;
-        visit.call(&self.output)?;
         visit.call(&self.block_hashes)?;
         visit.call(&self.block_hasher)?;
         Ok(())
@@ -173,10 +174,19 @@ impl PyRequestCore {
         self.all.clone_ref(py)
     }
 
-    /// Output token ids; read-only by contract.
+    /// Output token ids: a live, read-only view of `all_token_ids` after the prompt.
     #[getter]
-    fn output_token_ids(&self, py: Python<'_>) -> Py<PyList> {
-        self.output.clone_ref(py)
+    fn output_token_ids(&self, py: Python<'_>) -> PyOutputTokenIds {
+        PyOutputTokenIds {
+            all: self.all.clone_ref(py),
+            start: self.output_start,
+        }
+    }
+
+    /// Number of output tokens.
+    #[getter]
+    fn num_output_tokens(&self, py: Python<'_>) -> usize {
+        self.all.bind(py).len().saturating_sub(self.output_start)
     }
 
     #[getter(_all_token_ids)]
@@ -184,26 +194,30 @@ impl PyRequestCore {
         self.all.clone_ref(py)
     }
 
+    /// Replaces the token list; all of it becomes the prompt (outputs are appended after).
     #[setter(_all_token_ids)]
     fn set_all(&mut self, value: Bound<'_, PyList>) {
+        self.output_start = value.len();
         self.all = value.unbind();
     }
 
     #[getter(_output_token_ids)]
-    fn get_output(&self, py: Python<'_>) -> Py<PyList> {
-        self.output.clone_ref(py)
+    fn get_output(&self, py: Python<'_>) -> PyOutputTokenIds {
+        self.output_token_ids(py)
     }
 
+    /// Replaces the output tokens (the part of the token list after the prompt).
     #[setter(_output_token_ids)]
-    fn set_output(&mut self, value: Bound<'_, PyList>) {
-        self.output = value.unbind();
+    fn set_output(&mut self, value: Bound<'_, PyAny>) -> PyResult<()> {
+        let all = self.all.bind(value.py());
+        all.set_slice(self.output_start.min(all.len()), all.len(), &value)
     }
 
     /// Appends output tokens and hashes any newly completed blocks (SPEC RH-2).
     ///
     /// One int is appended as is (an int subclass as a plain int); anything else is iterated
-    /// into both token lists. When the token count reaches the next full hash block,
-    /// `self.update_block_hashes()` runs.
+    /// into the token list (the outputs are its tail). When the token count reaches the next
+    /// full hash block, `self.update_block_hashes()` runs.
     fn append_output_token_ids(
         slf: &Bound<'_, Self>,
         token_ids: &Bound<'_, PyAny>,
@@ -241,19 +255,13 @@ impl PyRequestCore {
             };
             // Appending an int to a list runs no Python code, so the borrow cannot be re-entered.
             let mut this = slf.try_borrow_mut()?;
-            this.output.bind(py).append(&tok)?;
             let all = this.all.bind(py);
             all.append(&tok)?;
             this.num_tokens = all.len() as i64;
             this.num_tokens >= this.next_hash_at
         } else {
             // Iterating may run Python code: no borrow is held while it does.
-            let (out, all) = {
-                let this = slf.try_borrow()?;
-                (this.output.clone_ref(py), this.all.clone_ref(py))
-            };
-            out.bind(py)
-                .call_method1(intern!(py, "extend"), (token_ids,))?;
+            let all = slf.try_borrow()?.all.clone_ref(py);
             all.bind(py)
                 .call_method1(intern!(py, "extend"), (token_ids,))?;
             let n = all.bind(py).len() as i64;
@@ -385,4 +393,108 @@ pub fn append_output_token_ids_batch(
         }
     }
     Ok(())
+}
+
+/// `Request.output_token_ids`: a live, read-only view of the request's token list after the
+/// prompt (it follows later appends). Compares equal to a list (or another view) with the same
+/// items; indexing, slicing (a new list), iteration, `in`, `index`, `count` and `len` work as on
+/// a list.
+#[pyclass(module = "kvcore._native", name = "OutputTokenIds", frozen, sequence)]
+pub struct PyOutputTokenIds {
+    all: Py<PyList>,
+    start: usize,
+}
+
+impl PyOutputTokenIds {
+    /// The current output tokens as a new list.
+    fn tail<'py>(&self, py: Python<'py>) -> Bound<'py, PyList> {
+        let all = self.all.bind(py);
+        let n = all.len();
+        all.get_slice(self.start.min(n), n)
+    }
+}
+
+#[pymethods]
+impl PyOutputTokenIds {
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.all.bind(py).len().saturating_sub(self.start)
+    }
+
+    fn __getitem__<'py>(
+        &self,
+        py: Python<'py>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Ok(i) = index.extract::<isize>() {
+            let all = self.all.bind(py);
+            let n = all.len().saturating_sub(self.start) as isize;
+            let j = if i < 0 { i + n } else { i };
+            if j < 0 || j >= n {
+                return Err(PyIndexError::new_err("output token index out of range"));
+            }
+            return all.get_item(self.start + j as usize);
+        }
+        self.tail(py).as_any().get_item(index)
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
+        self.tail(py).as_any().try_iter()
+    }
+
+    fn __contains__(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.tail(py).contains(value)
+    }
+
+    /// Index of the first occurrence of `value` in `[start, stop)` (ValueError when absent).
+    #[pyo3(signature = (value, start = 0, stop = None))]
+    fn index<'py>(
+        &self,
+        py: Python<'py>,
+        value: &Bound<'py, PyAny>,
+        start: isize,
+        stop: Option<isize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let tail = self.tail(py);
+        let stop = stop.unwrap_or(isize::MAX);
+        tail.call_method1(intern!(py, "index"), (value, start, stop))
+    }
+
+    /// Number of occurrences of `value`.
+    fn count(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<usize> {
+        Ok(self
+            .tail(py)
+            .iter()
+            .filter(|x| x.eq(value).unwrap_or(false))
+            .count())
+    }
+
+    fn __richcmp__(
+        &self,
+        py: Python<'_>,
+        other: &Bound<'_, PyAny>,
+        op: CompareOp,
+    ) -> PyResult<PyObject> {
+        let other_list = if let Ok(v) = other.downcast::<Self>() {
+            v.get().tail(py)
+        } else if let Ok(l) = other.downcast::<PyList>() {
+            l.clone()
+        } else {
+            return Ok(py.NotImplemented());
+        };
+        match op {
+            CompareOp::Eq | CompareOp::Ne => {
+                let equal = self.tail(py).eq(&other_list)?;
+                Ok((equal == matches!(op, CompareOp::Eq))
+                    .into_pyobject(py)?
+                    .to_owned()
+                    .into_any()
+                    .unbind())
+            }
+            _ => Ok(py.NotImplemented()),
+        }
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.tail(py).repr()?.to_string())
+    }
 }
