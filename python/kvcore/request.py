@@ -73,6 +73,12 @@ def _prompt_length(prompt_token_ids: Sequence[int] | None, prompt_embeds: Any) -
 class Request(RequestCore):
     """A generation request, as read by the KV cache manager and the block hasher.
 
+    The fields every scheduler step touches (id, token counts, status, the token list, block
+    hashes) live in the native base ``kvcore._native.RequestCore``: ``append_output_token_ids``
+    is native, ``output_token_ids`` is a live read-only view of the token list after the prompt,
+    and kvcore's Rust manager reads the counts and a native copy of the hashes directly. Any
+    object with the SPEC §17 attributes works with the manager as well.
+
     Attributes:
         request_id: Unique id.
         prompt_token_ids: The prompt, or None for an embeddings-only prompt.
