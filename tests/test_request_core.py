@@ -239,3 +239,11 @@ def test_output_token_ids_is_a_live_read_only_view() -> None:
     assert out != [4, 5] and (out == (4, 5, 4)) is False
     r._output_token_ids = [1]  # the tail of the token list is replaced
     assert r.all_token_ids == [9, 9, 9, 1] and out == [1]
+
+
+def test_append_batch_bad_entry_stops_there() -> None:
+    """A bad entry raises; requests before it keep their token, the ones after are untouched."""
+    a, b, c = Request("a", [1]), Request("b", [1]), Request("c", [1])
+    with pytest.raises(TypeError):
+        append_output_token_ids_batch([a, b, c], [2, None, 3])  # type: ignore[list-item]
+    assert a.output_token_ids == [2] and b.num_tokens == 1 and c.num_tokens == 1

@@ -252,6 +252,8 @@ def append_output_token_ids_batch(
 
     Raises:
         ValueError: The sequences differ in length (nothing is appended).
+        TypeError: An entry is neither an int nor iterable; the requests before it keep their
+            tokens, as in the loop.
     """
 
 # --- events ---

@@ -357,6 +357,8 @@ impl PyRequestCore {
 ///
 /// Raises:
 ///     ValueError: The two sequences differ in length (nothing is appended).
+///     TypeError: An entry is neither an int nor iterable; the requests before it keep their
+///         tokens, as in the loop.
 #[pyfunction]
 pub fn append_output_token_ids_batch(
     requests: &Bound<'_, PyAny>,
