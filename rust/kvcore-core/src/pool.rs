@@ -66,6 +66,24 @@ struct Primary {
     num_tokens: u32,
 }
 
+/// One block's state.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    ref_cnt: i32,
+    /// Queue links, `NIL` when not queued.
+    prev: u32,
+    next: u32,
+    /// Slot in `primaries`, or `NIL`.
+    primary_slot: u32,
+}
+
+const EMPTY_NODE: Node = Node {
+    ref_cnt: 0,
+    prev: NIL,
+    next: NIL,
+    primary_slot: NIL,
+};
+
 /// The block pool. See the module documentation.
 #[derive(Debug, Clone)]
 pub struct BlockPool {
@@ -73,13 +91,11 @@ pub struct BlockPool {
     enable_caching: bool,
     hash_block_size: usize,
     events_enabled: bool,
-    ref_cnt: Vec<i32>,
-    /// Queue links; indices `num_blocks` (head) and `num_blocks + 1` (tail) are sentinels.
-    prev: Vec<u32>,
-    next: Vec<u32>,
+    /// Per block: its count, queue links and primary slot in one record, so that an operation
+    /// on a block touches one cache line; indices `num_blocks` (head) and `num_blocks + 1`
+    /// (tail) are the queue's sentinels.
+    nodes: Vec<Node>,
     num_free: usize,
-    /// Per block: slot in `primaries`, or `NIL`.
-    primary_slot: Vec<u32>,
     primaries: Vec<Primary>,
     free_slots: Vec<u32>,
     index: HashMap<BlockKey, Entry>,
@@ -119,27 +135,23 @@ impl BlockPool {
         let n = num_blocks as usize;
         let head = n as u32;
         let tail = head + 1;
-        let mut prev = vec![NIL; n + 2];
-        let mut next = vec![NIL; n + 2];
+        let mut nodes = vec![EMPTY_NODE; n + 2];
         // Queue [1..n-1]; block 0 is the null block and never linked.
         let mut last = head;
         for b in 1..n as u32 {
-            next[last as usize] = b;
-            prev[b as usize] = last;
+            nodes[last as usize].next = b;
+            nodes[b as usize].prev = last;
             last = b;
         }
-        next[last as usize] = tail;
-        prev[tail as usize] = last;
+        nodes[last as usize].next = tail;
+        nodes[tail as usize].prev = last;
         Ok(Self {
             num_blocks: n,
             enable_caching,
             hash_block_size,
             events_enabled,
-            ref_cnt: vec![0; n],
-            prev,
-            next,
+            nodes,
             num_free: n - 1,
-            primary_slot: vec![NIL; n],
             primaries: Vec::new(),
             free_slots: Vec::new(),
             index: HashMap::new(),
@@ -221,7 +233,7 @@ impl BlockPool {
     /// The reference count of a block (the null block's may be negative, SPEC BLK-3).
     #[inline]
     pub fn ref_cnt(&self, block: BlockId) -> i32 {
-        self.ref_cnt[block as usize]
+        self.nodes[block as usize].ref_cnt
     }
 
     /// Whether `block` is the null block.
@@ -232,7 +244,7 @@ impl BlockPool {
 
     /// The block's primary key and the number of tokens it covers, if it has one.
     pub fn primary_key(&self, block: BlockId) -> Option<(BlockKey, usize)> {
-        let slot = self.primary_slot[block as usize];
+        let slot = self.nodes[block as usize].primary_slot;
         (slot != NIL).then(|| {
             let p = self.primaries[slot as usize];
             (p.key, p.num_tokens as usize)
@@ -242,7 +254,7 @@ impl BlockPool {
     /// Whether the block has a primary key.
     #[inline]
     pub fn has_hash(&self, block: BlockId) -> bool {
-        self.primary_slot[block as usize] != NIL
+        self.nodes[block as usize].primary_slot != NIL
     }
 
     /// The block's alias keys (SPEC MAP-6).
@@ -259,17 +271,17 @@ impl BlockPool {
     #[inline]
     fn is_queued(&self, block: BlockId) -> bool {
         let b = block as usize;
-        self.prev[b] != NIL || self.next[b] != NIL
+        self.nodes[b].prev != NIL || self.nodes[b].next != NIL
     }
 
     /// The free queue front to back (SPEC FQ-6).
     pub fn all_free_block_ids(&self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.num_free);
         let tail = self.num_blocks as u32 + 1;
-        let mut cur = self.next[self.num_blocks];
+        let mut cur = self.nodes[self.num_blocks].next;
         while cur != tail && cur != NIL {
             out.push(cur);
-            cur = self.next[cur as usize];
+            cur = self.nodes[cur as usize].next;
         }
         out
     }
@@ -381,11 +393,11 @@ impl BlockPool {
                 (self.primaries.len() - 1) as u32
             }
         };
-        self.primary_slot[block as usize] = slot;
+        self.nodes[block as usize].primary_slot = slot;
     }
 
     fn clear_primary(&mut self, block: BlockId) {
-        let slot = std::mem::replace(&mut self.primary_slot[block as usize], NIL);
+        let slot = std::mem::replace(&mut self.nodes[block as usize].primary_slot, NIL);
         if slot != NIL {
             self.free_slots.push(slot);
         }
@@ -437,22 +449,22 @@ impl BlockPool {
     #[inline]
     fn unlink(&mut self, block: BlockId) {
         let b = block as usize;
-        let (p, n) = (self.prev[b], self.next[b]);
-        self.next[p as usize] = n;
-        self.prev[n as usize] = p;
-        self.prev[b] = NIL;
-        self.next[b] = NIL;
+        let (p, n) = (self.nodes[b].prev, self.nodes[b].next);
+        self.nodes[p as usize].next = n;
+        self.nodes[n as usize].prev = p;
+        self.nodes[b].prev = NIL;
+        self.nodes[b].next = NIL;
         self.num_free -= 1;
     }
 
     #[inline]
     fn link_after(&mut self, after: u32, block: BlockId) {
         let b = block as usize;
-        let n = self.next[after as usize];
-        self.prev[b] = after;
-        self.next[b] = n;
-        self.next[after as usize] = block;
-        self.prev[n as usize] = block;
+        let n = self.nodes[after as usize].next;
+        self.nodes[b].prev = after;
+        self.nodes[b].next = n;
+        self.nodes[after as usize].next = block;
+        self.nodes[n as usize].prev = block;
         self.num_free += 1;
     }
 
@@ -487,13 +499,13 @@ impl BlockPool {
         out.reserve(n);
         let head = self.num_blocks as u32;
         for _ in 0..n {
-            let b = self.next[head as usize];
+            let b = self.nodes[head as usize].next;
             self.unlink(b);
             if self.enable_caching {
                 self.remove_keys(b);
             }
-            debug_assert_eq!(self.ref_cnt[b as usize], 0);
-            self.ref_cnt[b as usize] = 1;
+            debug_assert_eq!(self.nodes[b as usize].ref_cnt, 0);
+            self.nodes[b as usize].ref_cnt = 1;
             out.push(b);
         }
         Ok(())
@@ -507,7 +519,7 @@ impl BlockPool {
     pub fn touch(&mut self, blocks: &[BlockId]) -> Result<(), PoolError> {
         self.check_ids(blocks)?;
         for &b in blocks {
-            let rc = self.ref_cnt[b as usize];
+            let rc = self.nodes[b as usize].ref_cnt;
             if rc == 0 && b != 0 && !self.is_queued(b) {
                 return Err(PoolError::NotFreeNorReferenced(b));
             }
@@ -518,10 +530,10 @@ impl BlockPool {
             }
         }
         for &b in blocks {
-            if self.ref_cnt[b as usize] == 0 && b != 0 {
+            if self.nodes[b as usize].ref_cnt == 0 && b != 0 {
                 self.unlink(b);
             }
-            self.ref_cnt[b as usize] += 1;
+            self.nodes[b as usize].ref_cnt += 1;
         }
         Ok(())
     }
@@ -548,10 +560,10 @@ impl BlockPool {
         let mut with_hash: Vec<BlockId> = Vec::new();
         let mut without_hash: Vec<BlockId> = Vec::new();
         for b in ordered {
-            let rc = &mut self.ref_cnt[b as usize];
+            let rc = &mut self.nodes[b as usize].ref_cnt;
             *rc -= 1;
             if *rc == 0 && b != 0 {
-                if self.primary_slot[b as usize] == NIL {
+                if self.nodes[b as usize].primary_slot == NIL {
                     without_hash.push(b);
                 } else {
                     with_hash.push(b);
@@ -567,7 +579,7 @@ impl BlockPool {
         }
         let tail = head + 1;
         for b in with_hash {
-            let last = self.prev[tail as usize];
+            let last = self.nodes[tail as usize].prev;
             self.link_after(last, b);
         }
         Ok(())
@@ -589,16 +601,16 @@ impl BlockPool {
                 });
                 break;
             }
-            let rc = self.ref_cnt[b as usize];
+            let rc = self.nodes[b as usize].ref_cnt;
             if (b != 0 && rc <= 0) || rc == i32::MIN {
                 err = Some(PoolError::DoubleFree(b));
                 break;
             }
-            self.ref_cnt[b as usize] = rc - 1;
+            self.nodes[b as usize].ref_cnt = rc - 1;
             done += 1;
         }
         for b in ordered.into_iter().take(done) {
-            self.ref_cnt[b as usize] += 1;
+            self.nodes[b as usize].ref_cnt += 1;
         }
         err.map_or(Ok(()), Err)
     }
@@ -829,7 +841,9 @@ impl BlockPool {
         }
         self.index.clear();
         self.aliases.clear();
-        self.primary_slot.fill(NIL);
+        for node in &mut self.nodes {
+            node.primary_slot = NIL;
+        }
         self.primaries.clear();
         self.free_slots.clear();
         if self.events_enabled {
@@ -852,7 +866,9 @@ impl BlockPool {
     /// touching them would dequeue (used by SPEC STM-2).
     pub fn count_evictable(&self, ids: &[BlockId]) -> usize {
         ids.iter()
-            .filter(|&&b| b != 0 && self.ref_cnt.get(b as usize) == Some(&0))
+            .filter(|&&b| {
+                b != 0 && (b as usize) < self.num_blocks && self.nodes[b as usize].ref_cnt == 0
+            })
             .count()
     }
 
@@ -863,13 +879,13 @@ impl BlockPool {
     pub fn check_invariants(&self) -> Result<(), String> {
         let n = self.num_blocks;
         let (head, tail) = (n as u32, n as u32 + 1);
-        if self.prev[head as usize] != NIL || self.next[tail as usize] != NIL {
+        if self.nodes[head as usize].prev != NIL || self.nodes[tail as usize].next != NIL {
             return Err("sentinel links corrupted".into());
         }
         let mut count = 0usize;
         let mut seen = vec![false; n];
         let mut prev = head;
-        let mut cur = self.next[head as usize];
+        let mut cur = self.nodes[head as usize].next;
         while cur != tail {
             if cur == NIL || cur as usize >= n {
                 return Err(format!("queue link to invalid block {cur}"));
@@ -878,37 +894,37 @@ impl BlockPool {
                 return Err(format!("block {cur} linked twice"));
             }
             seen[cur as usize] = true;
-            if self.prev[cur as usize] != prev {
+            if self.nodes[cur as usize].prev != prev {
                 return Err(format!("block {cur} has a wrong prev link"));
             }
             if cur == 0 {
                 return Err("the null block is queued".into());
             }
-            if self.ref_cnt[cur as usize] != 0 {
+            if self.nodes[cur as usize].ref_cnt != 0 {
                 return Err(format!(
                     "queued block {cur} has ref_cnt {}",
-                    self.ref_cnt[cur as usize]
+                    self.nodes[cur as usize].ref_cnt
                 ));
             }
             count += 1;
             prev = cur;
-            cur = self.next[cur as usize];
+            cur = self.nodes[cur as usize].next;
         }
-        if self.prev[tail as usize] != prev {
+        if self.nodes[tail as usize].prev != prev {
             return Err("tail sentinel's prev link is wrong".into());
         }
         if count != self.num_free {
             return Err(format!("free count {} but {count} queued", self.num_free));
         }
         for (b, &queued) in seen.iter().enumerate().skip(1) {
-            let rc = self.ref_cnt[b];
+            let rc = self.nodes[b].ref_cnt;
             if rc < 0 {
                 return Err(format!("block {b} has negative ref_cnt {rc}"));
             }
             if rc == 0 && !queued {
                 return Err(format!("block {b} has ref_cnt 0 but is not queued"));
             }
-            if !queued && (self.prev[b] != NIL || self.next[b] != NIL) {
+            if !queued && (self.nodes[b].prev != NIL || self.nodes[b].next != NIL) {
                 return Err(format!("block {b} has stale queue links"));
             }
         }
@@ -947,7 +963,7 @@ impl BlockPool {
                 }
             }
         }
-        let live_slots = self.primary_slot.iter().filter(|&&s| s != NIL).count();
+        let live_slots = self.nodes.iter().filter(|n| n.primary_slot != NIL).count();
         if live_slots + self.free_slots.len() != self.primaries.len() {
             return Err("primary key slab out of balance".into());
         }
