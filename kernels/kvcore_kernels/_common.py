@@ -27,6 +27,30 @@ FP8_MAX: dict[torch.dtype, float] = {
 }
 
 
+def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Checks that the paged caches are ``[num_blocks, block_size, num_kv_heads, head_size]``
+    tensors of one shape and dtype.
+
+    Raises:
+        ValueError: Naming the cache and what is wrong.
+    """
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], "
+                f"got {tuple(t.shape)}"
+            )
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} "
+            "differ in shape"
+        )
+    if key_cache.dtype != value_cache.dtype:
+        raise ValueError(
+            f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) differ in dtype"
+        )
+
+
 def next_power_of_2(n: int) -> int:
     """Returns the smallest power of two that is at least `n` (and at least 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -331,21 +331,7 @@ def _check_inputs(
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_size], got {tuple(q.shape)}")
     if q.dtype not in _common.COMPUTE_DTYPES:
         raise ValueError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], "
-                f"got {tuple(t.shape)}"
-            )
-    if key_cache.shape != value_cache.shape:
-        raise ValueError(
-            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} "
-            "differ in shape"
-        )
-    if key_cache.dtype != value_cache.dtype:
-        raise ValueError(
-            f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) differ in dtype"
-        )
+    _common.check_cache_pair(key_cache, value_cache)
     num_tokens, num_q_heads, head_size = q.shape
     _, _, num_kv_heads, cache_head_size = key_cache.shape
     if cache_head_size != head_size:

@@ -121,21 +121,7 @@ def _plan(
             f"key and value must share a dtype among float32/float16/bfloat16, got "
             f"{key.dtype} and {value.dtype}"
         )
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], "
-                f"got {tuple(t.shape)}"
-            )
-    if key_cache.shape != value_cache.shape:
-        raise ValueError(
-            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} "
-            "differ in shape"
-        )
-    if key_cache.dtype != value_cache.dtype:
-        raise ValueError(
-            f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) differ in dtype"
-        )
+    _common.check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_heads, head_size = key_cache.shape
     if (key.shape[1], key.shape[2]) != (num_heads, head_size):
         raise ValueError(

@@ -6,7 +6,7 @@
 
 use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBool, PyList, PyTuple};
 
 /// Block ids per KV cache group and the pool they belong to; see the module docs.
 #[pyclass(module = "kvcore._native", name = "KVCacheBlocksBase", subclass)]
@@ -28,6 +28,14 @@ fn copy_group<'py>(group: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
         return Ok(tuple.to_list());
     }
     PyList::new(group.py(), group.try_iter()?.collect::<PyResult<Vec<_>>>()?)
+}
+
+/// The result of `==` (`op` Eq) or `!=` (`op` Ne) given whether the operands are equal.
+pub(crate) fn eq_result(py: Python<'_>, equal: bool, op: CompareOp) -> PyObject {
+    PyBool::new(py, equal == matches!(op, CompareOp::Eq))
+        .to_owned()
+        .into_any()
+        .unbind()
 }
 
 #[pymethods]
@@ -82,12 +90,7 @@ impl PyKVCacheBlocks {
         let other = other.downcast::<Self>()?;
         let a = slf.try_borrow()?.blocks.clone_ref(py);
         let b = other.try_borrow()?.blocks.clone_ref(py);
-        let equal = a.bind(py).eq(b.bind(py))?;
-        Ok((equal == matches!(op, CompareOp::Eq))
-            .into_pyobject(py)?
-            .to_owned()
-            .into_any()
-            .unbind())
+        Ok(eq_result(py, a.bind(py).eq(b.bind(py))?, op))
     }
 
     fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {

@@ -109,7 +109,8 @@ pub struct BlockStored {
     kv_cache_spec_sliding_window: PyObject,
 }
 
-const STORED_FIELDS: [&str; 11] = [
+/// Every event field, in EVT-1 order (`BlockStored`'s order; `BlockRemoved` uses a subset).
+pub(crate) const STORED_FIELDS: [&str; 11] = [
     "block_hashes",
     "parent_block_hash",
     "token_ids",

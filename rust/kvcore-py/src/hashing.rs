@@ -135,7 +135,7 @@ fn tokens_any(obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
         return tokens_of(tuple);
     }
     let list = obj.downcast_exact::<PyList>().ok()?;
-    tokens_of(&list.to_tuple())
+    list_tokens(list, 0, list.len())
 }
 
 pub(crate) fn py_hash<'py>(py: Python<'py>, h: &BlockHash) -> Bound<'py, PyBytes> {

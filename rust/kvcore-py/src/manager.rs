@@ -54,10 +54,7 @@ impl PyUnitaryFullAttention {
         args: AllocateArgs<'_>,
     ) -> PyResult<Option<Vec<BlockId>>> {
         // A kvcore Request keeps these four fields in its native base: read them directly.
-        let core = match request.downcast::<PyRequestCore>() {
-            Ok(c) => Some(c.try_borrow()?),
-            Err(_) => None,
-        };
+        let core = PyRequestCore::borrow_of(request)?;
         let id_obj;
         let (id, num_tokens, num_computed, status) = if let Some(c) = &core {
             (
@@ -199,10 +196,7 @@ impl PyUnitaryFullAttention {
             return Ok((self.empty.clone_ref(py), 0));
         }
         let bs = self.core.tables.block_size();
-        let core = match request.downcast::<PyRequestCore>() {
-            Ok(c) => Some(c.try_borrow()?),
-            Err(_) => None,
-        };
+        let core = PyRequestCore::borrow_of(request)?;
         let mirror = core.as_ref().and_then(|c| c.mirrored_hashes(py));
         let mut hit = match (&core, mirror) {
             (Some(c), Some(m)) => {

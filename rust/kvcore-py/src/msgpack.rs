@@ -15,6 +15,8 @@ use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PyList, PyString, PyTuple, PyType,
 };
 
+use crate::events::STORED_FIELDS;
+
 /// Nesting deeper than this raises RecursionError (a list that contains itself, say).
 const MAX_DEPTH: usize = 1000;
 
@@ -81,21 +83,6 @@ fn write_value(buf: &mut Vec<u8>, obj: &Bound<'_, PyAny>, depth: usize) -> PyRes
     Ok(())
 }
 
-/// Every event field, in EVT-1 order (`BlockStored`'s order; `BlockRemoved` uses a subset).
-const FIELDS: [&str; 11] = [
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-];
-
 /// The field names as Python strings, made once.
 static FIELD_NAMES: GILOnceCell<Vec<Py<PyString>>> = GILOnceCell::new();
 
@@ -125,7 +112,7 @@ impl Kind {
         }
     }
 
-    /// Indices into [`FIELDS`] of the required and the optional fields (SPEC EVT-1).
+    /// Indices into [`STORED_FIELDS`] of the required and the optional fields (SPEC EVT-1).
     fn fields(self) -> (&'static [usize], &'static [usize]) {
         match self {
             Self::Stored => (&[0, 1, 2, 3, 4, 5, 6], &[7, 8, 9, 10]),
@@ -184,7 +171,7 @@ fn write_event(
     mp::write_str(buf, "type").map_err(length_err)?;
     mp::write_str(buf, kind.name()).map_err(length_err)?;
     for (i, v) in &values {
-        mp::write_str(buf, FIELDS[*i]).map_err(length_err)?;
+        mp::write_str(buf, STORED_FIELDS[*i]).map_err(length_err)?;
         write_value(buf, v, 1)?;
     }
     Ok(())
@@ -217,7 +204,7 @@ pub fn encode_event_batch<'py>(
     write_value(&mut buf, ts, 1)?;
     mp::write_array_len(&mut buf, events.len()).map_err(length_err)?;
     let names = FIELD_NAMES.get_or_init(py, || {
-        FIELDS
+        STORED_FIELDS
             .iter()
             .map(|f| PyString::intern(py, f).unbind())
             .collect()

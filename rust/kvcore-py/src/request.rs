@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyIterator, PyList, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 
+use crate::blocks::eq_result;
 use crate::hashing::{py_hash, PyRequestBlockHasher};
 use crate::pool::to_hash;
 
@@ -236,6 +237,17 @@ impl PyRequestCore {
 }
 
 impl PyRequestCore {
+    /// A shared borrow of `request`'s native state when it is a kvcore `Request`, else `None`
+    /// (a duck-typed request, read through attributes).
+    pub(crate) fn borrow_of<'py>(
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<PyRef<'py, Self>>> {
+        match request.downcast::<Self>() {
+            Ok(c) => Ok(Some(c.try_borrow()?)),
+            Err(_) => Ok(None),
+        }
+    }
+
     /// The block hashes as native values, when the mirror matches the `block_hashes` list.
     pub(crate) fn mirrored_hashes(&self, py: Python<'_>) -> Option<&[BlockHash]> {
         let list = self.block_hashes.bind(py).downcast::<PyList>().ok()?;
@@ -486,11 +498,7 @@ impl PyOutputTokenIds {
         match op {
             CompareOp::Eq | CompareOp::Ne => {
                 let equal = self.tail(py).eq(&other_list)?;
-                Ok((equal == matches!(op, CompareOp::Eq))
-                    .into_pyobject(py)?
-                    .to_owned()
-                    .into_any()
-                    .unbind())
+                Ok(eq_result(py, equal, op))
             }
             _ => Ok(py.NotImplemented()),
         }
