@@ -247,3 +247,34 @@ def test_append_batch_bad_entry_stops_there() -> None:
     with pytest.raises(TypeError):
         append_output_token_ids_batch([a, b, c], [2, None, 3])  # type: ignore[list-item]
     assert a.output_token_ids == [2] and b.num_tokens == 1 and c.num_tokens == 1
+
+
+def test_token_ids_are_a_native_buffer_with_live_views() -> None:
+    """REQ-1: all_token_ids follows appends; bad token ids raise and change nothing."""
+    prompt = [3, 1, 4, 1, 5]
+    r = Request("t", prompt)
+    view = r.all_token_ids
+    prompt.append(9)  # the prompt was copied
+    assert view == [3, 1, 4, 1, 5] and len(view) == r.num_tokens == 5
+    r.append_output_token_ids([9, 2])
+    assert view == [3, 1, 4, 1, 5, 9, 2] and view[-1] == 2 and view[5:] == [9, 2]
+    assert list(view) == [3, 1, 4, 1, 5, 9, 2] and type(view[0]) is int
+    with pytest.raises(ValueError, match="int64"):
+        r.append_output_token_ids(2**63)
+    with pytest.raises(ValueError, match="int64"):
+        r.append_output_token_ids([6, -(2**64)])
+    with pytest.raises(TypeError, match="ints"):
+        r.append_output_token_ids([6, "7"])  # type: ignore[list-item]
+    assert r.num_tokens == 7 and r.output_token_ids == [9, 2], "a bad append changed nothing"
+    with pytest.raises(ValueError):
+        Request("big", [1, 2**70])
+    big = Request("ok", [2**63 - 1, -(2**63)])
+    assert big.all_token_ids == [2**63 - 1, -(2**63)]
+
+
+def test_native_hashes_match_for_any_sequence_prompt(native_hasher: Any) -> None:
+    """RH-1: a tuple or any other sequence prompt is read into the buffer, hashed as a list."""
+    a = Request("a", list(range(1, 40)), block_hasher=native_hasher)
+    b = Request("b", tuple(range(1, 40)), block_hasher=native_hasher)
+    c = Request("c", range(1, 40), block_hasher=native_hasher)
+    assert a.block_hashes == b.block_hashes == c.block_hashes and len(a.block_hashes) == 9

@@ -514,7 +514,8 @@ class KVCacheManager:
         requests: Sequence[Request],
         num_new_tokens: Sequence[int],
         num_lookahead_tokens: int = 0,
-    ) -> list[tuple[list[int], ...]]:
+        allow_none: bool = False,
+    ) -> list[tuple[list[int], ...] | None]:
         """Allocates for a batch of running requests in one call (kvcore extension).
 
         Equivalent to ``allocate_slots(r, n, num_lookahead_tokens=num_lookahead_tokens)`` for
@@ -527,11 +528,14 @@ class KVCacheManager:
             requests: Requests that already hold blocks (no new prefix hits).
             num_new_tokens: Tokens to compute this step, one count per request.
             num_lookahead_tokens: Speculative lookahead slots, the same for every request.
+            allow_none: Give None instead of empty lists for a request that got no new block
+                (as ``get_block_ids(allow_none=True)``, which is what a scheduler sends on:
+                most decode steps allocate nothing).
 
         Returns:
-            ``allocate_slots(...).get_block_ids()`` of each request that fit, in order. A result
-            shorter than ``requests`` means ``requests[len(result)]`` got None and the ones after
-            it were not tried.
+            ``allocate_slots(...).get_block_ids(allow_none)`` of each request that fit, in
+            order. A result shorter than ``requests`` means ``requests[len(result)]`` got None
+            from ``allocate_slots`` and the ones after it were not tried.
 
         Raises:
             InvalidArgumentError: The two sequences differ in length, or a count is invalid
@@ -545,12 +549,12 @@ class KVCacheManager:
         for n in num_new_tokens:
             if n < 0:
                 raise InvalidArgumentError(f"num_new_tokens must be non-negative, got {n}")
-        out: list[tuple[list[int], ...]] = []
+        out: list[tuple[list[int], ...] | None] = []
         for request, n in zip(requests, num_new_tokens, strict=True):
             blocks = self.allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)
             if blocks is None:
                 break
-            out.append(blocks.get_block_ids())
+            out.append(blocks.get_block_ids(allow_none=allow_none))
         return out
 
     def _check_new_computed_blocks(self, request_id: str, ncb: tuple[Sequence[int], ...]) -> None:

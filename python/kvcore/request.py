@@ -73,11 +73,13 @@ def _prompt_length(prompt_token_ids: Sequence[int] | None, prompt_embeds: Any) -
 class Request(RequestCore):
     """A generation request, as read by the KV cache manager and the block hasher.
 
-    The fields every scheduler step touches (id, token counts, status, the token list, block
-    hashes) live in the native base ``kvcore._native.RequestCore``: ``append_output_token_ids``
-    is native, ``output_token_ids`` is a live read-only view of the token list after the prompt,
-    and kvcore's Rust manager reads the counts and a native copy of the hashes directly. Any
-    object with the SPEC §17 attributes works with the manager as well.
+    The fields every scheduler step touches (id, token counts, status, the token ids, block
+    hashes) live in the native base ``kvcore._native.RequestCore``: the token ids are a native
+    int64 buffer (token ids must be ints in that range), ``all_token_ids`` and
+    ``output_token_ids`` are live read-only views of it, ``append_output_token_ids`` and block
+    hashing run without Python ints, and kvcore's Rust manager reads the counts and a native
+    copy of the hashes directly. Any object with the SPEC §17 attributes works with the manager
+    as well.
 
     Attributes:
         request_id: Unique id.
@@ -194,8 +196,9 @@ class Request(RequestCore):
         self._prompt_embeds_per_block_hashes: dict[tuple[int, int], bytes] = {}
         self.num_prompt_tokens = _prompt_length(prompt_token_ids, prompt_embeds)
         self._output_token_ids = []
+        # Copied into the native token buffer (ints in the int64 range).
         self._all_token_ids = (
-            list(prompt_token_ids) if prompt_token_ids is not None else [0] * self.num_prompt_tokens
+            prompt_token_ids if prompt_token_ids is not None else [0] * self.num_prompt_tokens
         )
         self.num_output_placeholders = 0
         self.spec_token_ids: list[int] = []
@@ -228,7 +231,7 @@ class Request(RequestCore):
     @property
     def num_tokens_with_spec(self) -> int:
         """Tokens including the current draft tokens."""
-        return len(self._all_token_ids) + len(self.spec_token_ids)
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_encoder_inputs(self) -> int:

@@ -328,12 +328,33 @@ impl FullAttentionTables {
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<(), E> {
         let cached = self.lookup(id).and_then(|r| r.num_cached).unwrap_or(0);
-        let full = num_tokens / self.block_size;
+        if cached >= num_tokens / self.block_size {
+            return Ok(());
+        }
+        let slot = self.entry_slot(id);
+        self.cache_blocks_at(pool, slot, id, num_tokens, hashes, meta)
+    }
+
+    /// [`Self::cache_blocks`] for the entry in `slot` (which holds the request `id`).
+    fn cache_blocks_at<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: u32,
+        id: &str,
+        num_tokens: usize,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<(), E> {
+        let (bs, gid) = (self.block_size, self.group_id);
+        let e = self.slots[slot as usize]
+            .entry
+            .as_mut()
+            .expect("a slot in the index holds an entry");
+        let cached = e.num_cached.unwrap_or(0);
+        let full = num_tokens / bs;
         if cached >= full {
             return Ok(());
         }
-        let (bs, gid) = (self.block_size, self.group_id);
-        let e = self.entry(id);
         let new = e.blocks.get(cached..full).ok_or_else(|| {
             PoolError::Invalid(format!(
                 "request {id} holds {} blocks, fewer than the {full} full ones",
@@ -531,7 +552,8 @@ impl UnitaryFullAttention {
         if pool.enable_caching() && !args.delay_cache_blocks {
             let n = (total + args.num_new_tokens).min(req.num_tokens);
             if cached < n / t.block_size {
-                t.cache_blocks(pool, req.id, n, hashes, meta)?;
+                let slot = slot.expect("the entry was found above");
+                t.cache_blocks_at(pool, slot, req.id, n, hashes, meta)?;
             }
         }
         Ok(Some(Some(have..have + need)))

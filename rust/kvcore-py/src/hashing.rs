@@ -13,6 +13,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
 
+use crate::request::PyRequestCore;
+
 /// Deepest nesting of tuples converted natively.
 const MAX_DEPTH: usize = 32;
 
@@ -332,46 +334,44 @@ pub struct PyRequestBlockHasher {
 }
 
 impl PyRequestBlockHasher {
-    /// The new hashes of a request whose state is given directly, or `None` for the fallback.
-    ///
-    /// `hashes` is the request's `block_hashes` list, `all_tokens` its token list.
-    pub(crate) fn new_hashes<'py>(
-        &self,
-        request: &Bound<'py, PyAny>,
-        hashes: &Bound<'py, PyList>,
-        all_tokens: &Bound<'py, PyList>,
-        num_tokens: usize,
-    ) -> PyResult<Option<Vec<BlockHash>>> {
-        let py = request.py();
+    /// The token range `[start, end)` of the full hash blocks after the first `done`, or
+    /// `None` when no new block is full.
+    fn window(&self, done: usize, num_tokens: usize) -> Option<(usize, usize)> {
         let hbs = self.hash_block_size;
-        let done = hashes.len();
         let start = done * hbs;
-        if start + hbs > num_tokens {
-            return Ok(Some(Vec::new()));
+        (start + hbs <= num_tokens).then(|| (start, start + (num_tokens - start) / hbs * hbs))
+    }
+
+    /// The parent of block `done` read from the hash list (`Some(None)` for the first block),
+    /// or `None` when it is not bytes (the Python hasher then decides).
+    fn parent_from_list(
+        hashes: &Bound<'_, PyList>,
+        done: usize,
+    ) -> PyResult<Option<Option<Vec<u8>>>> {
+        if done == 0 {
+            return Ok(Some(None));
         }
-        if may_have_extra_keys(request)? {
-            return Ok(None);
-        }
-        let end = start + (num_tokens - start) / hbs * hbs;
-        if end > all_tokens.len() {
-            return Ok(None);
-        }
-        let Some(tokens) = list_tokens(all_tokens, start, end) else {
-            return Ok(None);
-        };
-        let parent: Option<Vec<u8>> = if done == 0 {
-            None
-        } else {
-            match hashes.get_item(done - 1)?.downcast_exact::<PyBytes>() {
-                Ok(b) => Some(b.as_bytes().to_vec()),
-                Err(_) => return Ok(None),
-            }
-        };
+        Ok(hashes
+            .get_item(done - 1)?
+            .downcast_exact::<PyBytes>()
+            .ok()
+            .map(|b| Some(b.as_bytes().to_vec())))
+    }
+
+    /// Hashes the whole blocks of `tokens` chained from `parent` (the GIL released for long
+    /// runs); `None` when the core cannot serialise them byte-identically.
+    fn hash_window(
+        &self,
+        py: Python<'_>,
+        parent: Option<Vec<u8>>,
+        tokens: Vec<i64>,
+    ) -> PyResult<Option<Vec<BlockHash>>> {
         let none_hash: Vec<u8> = if parent.is_none() {
             self.none_hash.call0(py)?.extract(py)?
         } else {
             Vec::new()
         };
+        let hbs = self.hash_block_size;
         let (f, n) = (self.f, tokens.len() / hbs);
         let run = move || {
             BlockHasher::new(f, &none_hash).hash_blocks(parent.as_deref(), &tokens, hbs, None)
@@ -386,6 +386,70 @@ impl PyRequestBlockHasher {
             Err(HashError::Unsupported(_)) => Ok(None),
             Err(e) => Err(to_py_err(e)),
         }
+    }
+
+    /// The new hashes of a duck-typed request whose token ids are a list, or `None` for the
+    /// fallback. `hashes` is its `block_hashes` list, `all_tokens` its token list.
+    fn new_hashes<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        hashes: &Bound<'py, PyList>,
+        all_tokens: &Bound<'py, PyList>,
+        num_tokens: usize,
+    ) -> PyResult<Option<Vec<BlockHash>>> {
+        let done = hashes.len();
+        let Some((start, end)) = self.window(done, num_tokens) else {
+            return Ok(Some(Vec::new()));
+        };
+        if may_have_extra_keys(request)? || end > all_tokens.len() {
+            return Ok(None);
+        }
+        let Some(tokens) = list_tokens(all_tokens, start, end) else {
+            return Ok(None);
+        };
+        let Some(parent) = Self::parent_from_list(hashes, done)? else {
+            return Ok(None);
+        };
+        self.hash_window(request.py(), parent, tokens)
+    }
+
+    /// The new hashes of a kvcore request, read from its native token ids (and its native
+    /// copy of the hashes for the parent when `in_sync`), or `None` for the fallback.
+    pub(crate) fn new_hashes_of(
+        &self,
+        request: &Bound<'_, PyRequestCore>,
+        hashes: &Bound<'_, PyList>,
+        num_tokens: usize,
+        in_sync: bool,
+    ) -> PyResult<Option<Vec<BlockHash>>> {
+        let done = hashes.len();
+        let Some((start, end)) = self.window(done, num_tokens) else {
+            return Ok(Some(Vec::new()));
+        };
+        if may_have_extra_keys(request.as_any())? {
+            return Ok(None);
+        }
+        // Copied out, so that no borrow is held while hashing (which may release the GIL).
+        let (tokens, parent) = {
+            let this = request.try_borrow()?;
+            let Some(window) = this.tokens().get(start..end) else {
+                return Ok(None);
+            };
+            let parent = match done {
+                0 => Some(None),
+                d if in_sync => this.mirror_at(d - 1).map(|h| Some(h.as_bytes().to_vec())),
+                _ => None,
+            };
+            (window.to_vec(), parent)
+        };
+        let parent = match parent {
+            Some(p) => p,
+            None => match Self::parent_from_list(hashes, done)? {
+                Some(p) => p,
+                None => return Ok(None),
+            },
+        };
+        self.hash_window(request.py(), parent, tokens)
     }
 }
 
@@ -413,6 +477,16 @@ impl PyRequestBlockHasher {
     fn __call__<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let py = request.py();
         let hashes = request.getattr(intern!(py, "block_hashes"))?;
+        if let (Ok(core), Ok(h)) = (
+            request.downcast::<PyRequestCore>(),
+            hashes.downcast::<PyList>(),
+        ) {
+            let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
+            if let Some(out) = self.new_hashes_of(core, h, num_tokens, false)? {
+                return Ok(PyList::new(py, out.iter().map(|x| py_hash(py, x)))?.into_any());
+            }
+            return self.fallback.bind(py).call1((request,));
+        }
         let all = request.getattr(intern!(py, "all_token_ids"))?;
         if let (Ok(h), Ok(a)) = (hashes.downcast::<PyList>(), all.downcast::<PyList>()) {
             let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;

@@ -29,7 +29,7 @@ mod _native {
     #[pymodule_export]
     use super::blocks::PyKVCacheBlocks;
     #[pymodule_export]
-    use super::request::{append_output_token_ids_batch, PyOutputTokenIds, PyRequestCore};
+    use super::request::{append_output_token_ids_batch, PyRequestCore, PyTokenIds};
 
     #[pymodule_export]
     use super::events::{AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent};

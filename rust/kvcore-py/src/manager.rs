@@ -86,8 +86,10 @@ impl PyUnitaryFullAttention {
             waiting_or_preempted,
             hint,
         };
-        // A kvcore Request's native copy of its hashes, when it matches the list.
-        let mirror = core.as_ref().and_then(|c| c.mirrored_hashes(py));
+        // A kvcore Request's native copy of its hashes, when it matches the list; checked only
+        // when a block fills (the list's header is then read once).
+        let mirror_cell: std::cell::OnceCell<Option<&[BlockHash]>> = std::cell::OnceCell::new();
+        let mirror = || *mirror_cell.get_or_init(|| core.as_ref()?.mirrored_hashes(py));
         // Otherwise the hash list is read lazily, only when blocks fill.
         let hashes_obj: std::cell::OnceCell<Bound<'_, PyAny>> = std::cell::OnceCell::new();
         let fetch = || -> PyResult<&Bound<'_, PyAny>> {
@@ -98,13 +100,13 @@ impl PyUnitaryFullAttention {
             Ok(hashes_obj.get_or_init(|| h))
         };
         let mut hash_len = || -> Result<usize, Error> {
-            match mirror {
+            match mirror() {
                 Some(m) => Ok(m.len()),
                 None => Ok(fetch()?.len()?),
             }
         };
         let mut get = |i: usize| -> Result<BlockHash, Error> {
-            match mirror {
+            match mirror() {
                 Some(m) => Ok(m[i]),
                 None => Ok(to_hash(&fetch()?.get_item(i)?)?),
             }
@@ -287,13 +289,14 @@ impl PyUnitaryFullAttention {
     /// `allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)` for each pair
     /// in order, stopping at the first request that does not fit; see
     /// `KVCacheManager.allocate_slots_batch`.
-    #[pyo3(signature = (requests, num_new_tokens, num_lookahead_tokens = 0))]
+    #[pyo3(signature = (requests, num_new_tokens, num_lookahead_tokens = 0, allow_none = false))]
     fn allocate_slots_batch<'py>(
         &mut self,
         py: Python<'py>,
         requests: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
         num_lookahead_tokens: i64,
+        allow_none: bool,
     ) -> PyResult<Bound<'py, PyList>> {
         let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
         let counts = num_new_tokens
@@ -322,6 +325,7 @@ impl PyUnitaryFullAttention {
             };
             match self.allocate_inner(py, &request?, args)? {
                 None => break,
+                Some(ids) if allow_none && ids.is_empty() => out.append(py.None())?,
                 Some(ids) => out.append(PyTuple::new(py, [PyList::new(py, ids)?])?)?,
             }
         }

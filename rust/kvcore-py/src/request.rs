@@ -1,16 +1,17 @@
 //! `kvcore._native.RequestCore`: the per-step state of a request, kept in one native object.
 //!
 //! `kvcore.request.Request` subclasses it. The fields every scheduler step reads or writes
-//! (the id, token counts, status, token lists and block hashes) live here, so that
-//! `append_output_token_ids` runs without a Python frame and the Rust manager reads a request's
-//! counts straight from the struct instead of through attribute lookups.
+//! (the id, token counts, status, token ids and block hashes) live here, so that
+//! `append_output_token_ids` runs without a Python frame, the Rust manager reads a request's
+//! counts straight from the struct instead of through attribute lookups, and block hashing
+//! reads token ids from a native buffer instead of Python ints.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use kvcore_core::full_attention::SlotHint;
 use kvcore_core::hash::BlockHash;
 use pyo3::basic::CompareOp;
-use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyIterator, PyList, PyString, PyTuple, PyType};
@@ -35,8 +36,9 @@ pub struct PyRequestCore {
     status: PyObject,
     /// `int(status)`, or -1 when the status is not an int.
     pub(crate) status_value: i64,
-    all: Py<PyList>,
-    /// Where the output tokens start in `all` (the prompt length).
+    /// Prompt and output token ids (`all_token_ids` is a view of them).
+    tokens: Vec<i64>,
+    /// Where the output tokens start in `tokens` (the prompt length).
     output_start: usize,
     /// Hashes of the full hash blocks, append-only (SPEC RH-2).
     #[pyo3(get)]
@@ -105,7 +107,7 @@ impl PyRequestCore {
             num_computed_tokens: 0,
             status: py.None(),
             status_value: -1,
-            all: PyList::empty(py).unbind(),
+            tokens: Vec::new(),
             output_start: 0,
             block_hashes: PyList::empty(py).into_any().unbind(),
             mirror: Vec::new(),
@@ -121,7 +123,6 @@ impl PyRequestCore {
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.request_id)?;
         visit.call(&self.status)?;
-        visit.call(&self.all)?;
         visit.call(&self.block_hashes)?;
         visit.call(&self.block_hasher)?;
         Ok(())
@@ -169,56 +170,68 @@ impl PyRequestCore {
         self.status = value.unbind();
     }
 
-    /// Prompt and output token ids; read-only by contract (use `append_output_token_ids`).
+    /// Prompt and output token ids: a live, read-only view (use `append_output_token_ids`).
     #[getter]
-    fn all_token_ids(&self, py: Python<'_>) -> Py<PyList> {
-        self.all.clone_ref(py)
+    fn all_token_ids(slf: &Bound<'_, Self>) -> PyTokenIds {
+        PyTokenIds {
+            req: slf.clone().unbind(),
+            output: false,
+        }
     }
 
     /// Output token ids: a live, read-only view of `all_token_ids` after the prompt.
     #[getter]
-    fn output_token_ids(&self, py: Python<'_>) -> PyOutputTokenIds {
-        PyOutputTokenIds {
-            all: self.all.clone_ref(py),
-            start: self.output_start,
+    fn output_token_ids(slf: &Bound<'_, Self>) -> PyTokenIds {
+        PyTokenIds {
+            req: slf.clone().unbind(),
+            output: true,
         }
     }
 
     /// Number of output tokens.
     #[getter]
-    fn num_output_tokens(&self, py: Python<'_>) -> usize {
-        self.all.bind(py).len().saturating_sub(self.output_start)
+    fn num_output_tokens(&self) -> usize {
+        self.tokens.len().saturating_sub(self.output_start)
     }
 
     #[getter(_all_token_ids)]
-    fn get_all(&self, py: Python<'_>) -> Py<PyList> {
-        self.all.clone_ref(py)
+    fn get_all(slf: &Bound<'_, Self>) -> PyTokenIds {
+        Self::all_token_ids(slf)
     }
 
-    /// Replaces the token list; all of it becomes the prompt (outputs are appended after).
+    /// Replaces the token ids (ints in the int64 range); all of them become the prompt
+    /// (outputs are appended after). `num_tokens` is left to the caller.
     #[setter(_all_token_ids)]
-    fn set_all(&mut self, value: Bound<'_, PyList>) {
-        self.output_start = value.len();
-        self.all = value.unbind();
+    fn set_all(slf: &Bound<'_, Self>, value: Bound<'_, PyAny>) -> PyResult<()> {
+        // Read before borrowing: iterating may run Python code.
+        let tokens = token_vec(&value)?;
+        let mut this = slf.try_borrow_mut()?;
+        this.output_start = tokens.len();
+        this.tokens = tokens;
+        Ok(())
     }
 
     #[getter(_output_token_ids)]
-    fn get_output(&self, py: Python<'_>) -> PyOutputTokenIds {
-        self.output_token_ids(py)
+    fn get_output(slf: &Bound<'_, Self>) -> PyTokenIds {
+        Self::output_token_ids(slf)
     }
 
-    /// Replaces the output tokens (the part of the token list after the prompt).
+    /// Replaces the output tokens (the token ids after the prompt).
     #[setter(_output_token_ids)]
-    fn set_output(&mut self, value: Bound<'_, PyAny>) -> PyResult<()> {
-        let all = self.all.bind(value.py());
-        all.set_slice(self.output_start.min(all.len()), all.len(), &value)
+    fn set_output(slf: &Bound<'_, Self>, value: Bound<'_, PyAny>) -> PyResult<()> {
+        let tokens = token_vec(&value)?;
+        let mut this = slf.try_borrow_mut()?;
+        let start = this.output_start.min(this.tokens.len());
+        this.tokens.truncate(start);
+        this.tokens.extend_from_slice(&tokens);
+        Ok(())
     }
 
     /// Appends output tokens and hashes any newly completed blocks (SPEC RH-2).
     ///
-    /// One int is appended as is (an int subclass as a plain int); anything else is iterated
-    /// into the token list (the outputs are its tail). When the token count reaches the next
-    /// full hash block, `self.update_block_hashes()` runs.
+    /// Takes one int or an iterable of ints (each within the int64 range; an int subclass is
+    /// stored as its value). When the token count reaches the next full hash block,
+    /// `self.update_block_hashes()` runs. A bad token raises before anything is appended.
     fn append_output_token_ids(
         slf: &Bound<'_, Self>,
         token_ids: &Bound<'_, PyAny>,
@@ -254,32 +267,31 @@ impl PyRequestCore {
         (list.len() == self.mirror.len()).then_some(self.mirror.as_slice())
     }
 
+    /// The token ids, read-only (for the block hasher).
+    pub(crate) fn tokens(&self) -> &[i64] {
+        &self.tokens
+    }
+
+    /// The native copy of hash `i` (callers check that the copy matches the list).
+    pub(crate) fn mirror_at(&self, i: usize) -> Option<&BlockHash> {
+        self.mirror.get(i)
+    }
+
     /// `append_output_token_ids` without a Python call.
     fn append_one(slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let py = slf.py();
         let need_hash = if let Ok(tok) = token_ids.downcast::<PyInt>() {
-            let tok = if tok.is_exact_instance_of::<PyInt>() {
-                tok.clone()
-            } else {
-                py.get_type::<PyInt>()
-                    .call1((tok,))?
-                    .downcast_into::<PyInt>()?
-            };
-            // Appending an int to a list runs no Python code, so the borrow cannot be re-entered.
+            let value = token_value(tok)?;
             let mut this = slf.try_borrow_mut()?;
-            let all = this.all.bind(py);
-            all.append(&tok)?;
-            this.num_tokens = all.len() as i64;
+            this.tokens.push(value);
+            this.num_tokens = this.tokens.len() as i64;
             this.num_tokens >= this.next_hash_at
         } else {
             // Iterating may run Python code: no borrow is held while it does.
-            let all = slf.try_borrow()?.all.clone_ref(py);
-            all.bind(py)
-                .call_method1(intern!(py, "extend"), (token_ids,))?;
-            let n = all.bind(py).len() as i64;
+            let values = token_vec(token_ids)?;
             let mut this = slf.try_borrow_mut()?;
-            this.num_tokens = n;
-            n >= this.next_hash_at
+            this.tokens.extend_from_slice(&values);
+            this.num_tokens = this.tokens.len() as i64;
+            this.num_tokens >= this.next_hash_at
         };
         if need_hash {
             Self::update_hashes(slf)?;
@@ -290,7 +302,7 @@ impl PyRequestCore {
     /// `update_block_hashes` without a Python call.
     fn update_hashes(slf: &Bound<'_, Self>) -> PyResult<()> {
         let py = slf.py();
-        let (hasher, hashes, all, num_tokens) = {
+        let (hasher, hashes, num_tokens) = {
             let this = slf.try_borrow()?;
             if this.block_hasher.is_none(py) {
                 drop(this);
@@ -300,7 +312,6 @@ impl PyRequestCore {
             (
                 this.block_hasher.clone_ref(py),
                 this.block_hashes.clone_ref(py),
-                this.all.clone_ref(py),
                 this.num_tokens,
             )
         };
@@ -311,10 +322,7 @@ impl PyRequestCore {
         let mut done = false;
         if let (Ok(native), Some(list)) = (hasher.downcast::<PyRequestBlockHasher>(), list) {
             let n = usize::try_from(num_tokens).unwrap_or(0);
-            if let Some(new) = native
-                .get()
-                .new_hashes(slf.as_any(), list, all.bind(py), n)?
-            {
+            if let Some(new) = native.get().new_hashes_of(slf, list, n, in_sync)? {
                 for h in &new {
                     list.append(py_hash(py, h))?;
                 }
@@ -409,29 +417,102 @@ pub fn append_output_token_ids_batch(
     Ok(())
 }
 
-/// `Request.output_token_ids`: a live, read-only view of the request's token list after the
-/// prompt (it follows later appends). Compares equal to a list (or another view) with the same
-/// items; indexing, slicing (a new list), iteration, `in`, `index`, `count` and `len` work as on
-/// a list.
-#[pyclass(module = "kvcore._native", name = "OutputTokenIds", frozen, sequence)]
-pub struct PyOutputTokenIds {
-    all: Py<PyList>,
-    start: usize,
+/// One token id: an int in the int64 range (an int subclass counts as its value).
+fn token_value(tok: &Bound<'_, PyInt>) -> PyResult<i64> {
+    tok.extract::<i64>()
+        .map_err(|_| PyValueError::new_err(format!("token id {tok} is outside the int64 range")))
 }
 
-impl PyOutputTokenIds {
-    /// The current output tokens as a new list.
-    fn tail<'py>(&self, py: Python<'py>) -> Bound<'py, PyList> {
-        let all = self.all.bind(py);
-        let n = all.len();
-        all.get_slice(self.start.min(n), n)
+/// Token ids from a list, tuple or any iterable of ints, read before anything changes.
+fn token_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let py = obj.py();
+    if let Ok(list) = obj.downcast_exact::<PyList>() {
+        let n = list.len();
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            // SAFETY: `list` is a live exact list and the GIL is held. PyList_GetItem returns a
+            // borrowed reference (or NULL past the end, which `from_ptr_or_err` turns into an
+            // error), valid while the list keeps the item: nothing below runs Python code
+            // (an exact int is read without calling into Python; anything else goes through
+            // the owned, generic path after this loop ends), so the list cannot change.
+            #[allow(unsafe_code)]
+            let item = unsafe {
+                pyo3::Borrowed::from_ptr_or_err(
+                    py,
+                    pyo3::ffi::PyList_GetItem(list.as_ptr(), i as _),
+                )
+            }?;
+            if !item.is_exact_instance_of::<PyInt>() {
+                return token_iter(obj);
+            }
+            out.push(token_value(item.downcast::<PyInt>()?)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.downcast_exact::<PyTuple>() {
+        let mut out = Vec::with_capacity(tuple.len());
+        for item in tuple.iter_borrowed() {
+            if !item.is_exact_instance_of::<PyInt>() {
+                return token_iter(obj);
+            }
+            out.push(token_value(item.downcast::<PyInt>()?)?);
+        }
+        return Ok(out);
+    }
+    token_iter(obj)
+}
+
+/// [`token_vec`] through the iterator protocol.
+fn token_iter(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let mut out = Vec::new();
+    for item in obj.try_iter()? {
+        let item = item?;
+        let tok = item.downcast::<PyInt>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "token ids must be ints, got {}",
+                item.get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        })?;
+        out.push(token_value(tok)?);
+    }
+    Ok(out)
+}
+
+/// `Request.all_token_ids` and `Request.output_token_ids`: live, read-only views of a
+/// request's token ids (all of them, or those after the prompt) that follow later appends.
+/// Compare equal to a list (or another view) with the same items; indexing, slicing (a new
+/// list), iteration, `in`, `index`, `count` and `len` work as on a list.
+#[pyclass(module = "kvcore._native", name = "TokenIds", frozen, sequence)]
+pub struct PyTokenIds {
+    req: Py<PyRequestCore>,
+    /// Whether the view starts after the prompt.
+    output: bool,
+}
+
+impl PyTokenIds {
+    /// Runs `f` on the viewed token ids.
+    fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&[i64]) -> R) -> PyResult<R> {
+        let this = self.req.bind(py).try_borrow()?;
+        let start = if self.output {
+            this.output_start.min(this.tokens.len())
+        } else {
+            0
+        };
+        Ok(f(&this.tokens[start..]))
+    }
+
+    /// The viewed token ids as a new list.
+    fn tail<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.with(py, |t| PyList::new(py, t))?
     }
 }
 
 #[pymethods]
-impl PyOutputTokenIds {
-    fn __len__(&self, py: Python<'_>) -> usize {
-        self.all.bind(py).len().saturating_sub(self.start)
+impl PyTokenIds {
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, <[i64]>::len)
     }
 
     fn __getitem__<'py>(
@@ -440,23 +521,25 @@ impl PyOutputTokenIds {
         index: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         if let Ok(i) = index.extract::<isize>() {
-            let all = self.all.bind(py);
-            let n = all.len().saturating_sub(self.start) as isize;
-            let j = if i < 0 { i + n } else { i };
-            if j < 0 || j >= n {
-                return Err(PyIndexError::new_err("output token index out of range"));
-            }
-            return all.get_item(self.start + j as usize);
+            let got = self.with(py, |t| {
+                let n = t.len() as isize;
+                let j = if i < 0 { i + n } else { i };
+                (0..n).contains(&j).then(|| t[j as usize])
+            })?;
+            return match got {
+                Some(v) => Ok(v.into_pyobject(py)?.into_any()),
+                None => Err(PyIndexError::new_err("token index out of range")),
+            };
         }
-        self.tail(py).as_any().get_item(index)
+        self.tail(py)?.as_any().get_item(index)
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
-        self.tail(py).as_any().try_iter()
+        self.tail(py)?.as_any().try_iter()
     }
 
     fn __contains__(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
-        self.tail(py).contains(value)
+        self.tail(py)?.contains(value)
     }
 
     /// Index of the first occurrence of `value` in `[start, stop)` (ValueError when absent).
@@ -468,15 +551,15 @@ impl PyOutputTokenIds {
         start: isize,
         stop: Option<isize>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let tail = self.tail(py);
         let stop = stop.unwrap_or(isize::MAX);
-        tail.call_method1(intern!(py, "index"), (value, start, stop))
+        self.tail(py)?
+            .call_method1(intern!(py, "index"), (value, start, stop))
     }
 
     /// Number of occurrences of `value`.
     fn count(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<usize> {
         Ok(self
-            .tail(py)
+            .tail(py)?
             .iter()
             .filter(|x| x.eq(value).unwrap_or(false))
             .count())
@@ -489,7 +572,7 @@ impl PyOutputTokenIds {
         op: CompareOp,
     ) -> PyResult<PyObject> {
         let other_list = if let Ok(v) = other.downcast::<Self>() {
-            v.get().tail(py)
+            v.get().tail(py)?
         } else if let Ok(l) = other.downcast::<PyList>() {
             l.clone()
         } else {
@@ -497,7 +580,7 @@ impl PyOutputTokenIds {
         };
         match op {
             CompareOp::Eq | CompareOp::Ne => {
-                let equal = self.tail(py).eq(&other_list)?;
+                let equal = self.tail(py)?.eq(&other_list)?;
                 Ok(eq_result(py, equal, op))
             }
             _ => Ok(py.NotImplemented()),
@@ -505,6 +588,6 @@ impl PyOutputTokenIds {
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        Ok(self.tail(py).repr()?.to_string())
+        Ok(self.tail(py)?.repr()?.to_string())
     }
 }
