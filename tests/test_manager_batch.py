@@ -161,8 +161,8 @@ def test_batch_stops_at_first_failure(kind: str) -> None:
     assert m.get_block_ids("r1") == before[1] and m.get_block_ids("r2") == before[2]
     assert m.allocate_slots_batch([], []) == []
     reqs[2].num_computed_tokens = 8  # the 9th token still fits in its one block
-    got = m.allocate_slots_batch(reqs[2:], [1], allow_none=True)
-    assert got == [None], "a request that needs no new block gets None with allow_none"
+    got_none = m.allocate_slots_batch(reqs[2:], [1], allow_none=True)
+    assert got_none == [None], "a request that needs no new block gets None with allow_none"
 
 
 @pytest.mark.parametrize("kind", ["native", "python"])

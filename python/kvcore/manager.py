@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast, overload
 
 from kvcore.blocks import KVCacheBlocks
 from kvcore.coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
@@ -509,13 +509,31 @@ class KVCacheManager:
                         m.cache_blocks(request, to_cache, self._retention)
         return result
 
+    @overload
+    def allocate_slots_batch(
+        self,
+        requests: Sequence[Request],
+        num_new_tokens: Sequence[int],
+        num_lookahead_tokens: int = 0,
+        allow_none: Literal[False] = False,
+    ) -> list[tuple[list[int], ...]]: ...
+
+    @overload
     def allocate_slots_batch(
         self,
         requests: Sequence[Request],
         num_new_tokens: Sequence[int],
         num_lookahead_tokens: int = 0,
         allow_none: bool = False,
-    ) -> list[tuple[list[int], ...] | None]:
+    ) -> list[tuple[list[int], ...] | None]: ...
+
+    def allocate_slots_batch(
+        self,
+        requests: Sequence[Request],
+        num_new_tokens: Sequence[int],
+        num_lookahead_tokens: int = 0,
+        allow_none: bool = False,
+    ) -> list[tuple[list[int], ...]] | list[tuple[list[int], ...] | None]:
         """Allocates for a batch of running requests in one call (kvcore extension).
 
         Equivalent to ``allocate_slots(r, n, num_lookahead_tokens=num_lookahead_tokens)`` for

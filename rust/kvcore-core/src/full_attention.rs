@@ -133,6 +133,15 @@ impl FullAttentionTables {
         })
     }
 
+    /// Prefetches the slot `hint` names (the first stage of a batch's pipeline).
+    pub fn prefetch_slot(&self, hint: Option<SlotHint>) {
+        if let Some(h) = hint.filter(|h| h.uid == self.uid) {
+            if let Some(s) = self.slots.get(h.slot as usize) {
+                crate::prefetch::prefetch(s);
+            }
+        }
+    }
+
     /// Whether `hint` still names a live entry of these tables.
     pub fn hint_is_valid(&self, hint: Option<SlotHint>) -> bool {
         self.hinted(hint).is_some()

@@ -27,6 +27,7 @@ pub mod hash;
 pub mod hashing;
 pub mod msgpack;
 pub mod pool;
+pub mod prefetch;
 pub mod value;
 
 pub use error::PoolError;

@@ -13,7 +13,7 @@ use pyo3::types::{PyList, PyString, PyTuple};
 
 use crate::errors::{invalid, Error};
 use crate::pool::{cached_prefix, stored_meta, to_hash, PyBlockPool};
-use crate::request::PyRequestCore;
+use crate::request::{prefetch_ahead, PyRequestCore};
 
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
 const WAITING: i64 = 1;
@@ -311,7 +311,12 @@ impl PyUnitaryFullAttention {
             )));
         }
         let out = PyList::empty(py);
-        for (request, n) in requests.try_iter()?.zip(counts) {
+        let list = requests.downcast_exact::<PyList>().ok();
+        for (i, (request, n)) in requests.try_iter()?.zip(counts).enumerate() {
+            if let Some(list) = list {
+                let tables = &self.core.tables;
+                prefetch_ahead(list, i, |c| tables.prefetch_slot(c.table_hint.get()));
+            }
             let args = AllocateArgs {
                 num_new_tokens: n,
                 num_new_computed_tokens: 0,

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use kvcore_core::full_attention::SlotHint;
 use kvcore_core::hash::BlockHash;
+use kvcore_core::prefetch::prefetch;
 use pyo3::basic::CompareOp;
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::intern;
@@ -22,33 +23,39 @@ use crate::hashing::{py_hash, PyRequestBlockHasher};
 use crate::pool::to_hash;
 
 /// Native base of `kvcore.request.Request`; see the module docs.
+///
+/// `repr(C)` with the fields every step reads first, so that a step touches the object's first
+/// two cache lines (the batch calls prefetch exactly those).
 #[pyclass(module = "kvcore._native", name = "RequestCore", subclass, weakref)]
+#[repr(C)]
 pub struct PyRequestCore {
-    request_id: Py<PyString>,
-    /// UTF-8 copy of `request_id`, the key of the manager's block tables.
-    pub(crate) id: String,
     /// Prompt plus output tokens (kept equal to `len(all_token_ids)` by the appends).
     #[pyo3(get, set)]
     pub(crate) num_tokens: i64,
     /// Tokens whose KV is computed; the scheduler maintains it.
     #[pyo3(get, set)]
     pub(crate) num_computed_tokens: i64,
-    status: PyObject,
     /// `int(status)`, or -1 when the status is not an int.
     pub(crate) status_value: i64,
+    /// Token count at which the next hash block is full.
+    #[pyo3(get, set, name = "_next_hash_at")]
+    next_hash_at: i64,
     /// Prompt and output token ids (`all_token_ids` is a view of them).
     tokens: Vec<i64>,
+    /// Where the Rust manager last found this request's block table (skips the id lookup).
+    pub(crate) table_hint: HintCell,
+    /// A native copy of `block_hashes`, kept as hashes are appended through this object; the
+    /// Rust manager reads it instead of the list while their lengths agree.
+    mirror: Vec<BlockHash>,
+    request_id: Py<PyString>,
+    /// UTF-8 copy of `request_id`, the key of the manager's block tables.
+    pub(crate) id: String,
+    status: PyObject,
     /// Where the output tokens start in `tokens` (the prompt length).
     output_start: usize,
     /// Hashes of the full hash blocks, append-only (SPEC RH-2).
     #[pyo3(get)]
     block_hashes: PyObject,
-    /// A native copy of `block_hashes`, kept as hashes are appended through this object; the
-    /// Rust manager reads it instead of the list while their lengths agree.
-    mirror: Vec<BlockHash>,
-    /// Token count at which the next hash block is full.
-    #[pyo3(get, set, name = "_next_hash_at")]
-    next_hash_at: i64,
     /// The block hasher, or None.
     #[pyo3(get, set, name = "_block_hasher")]
     block_hasher: PyObject,
@@ -56,8 +63,6 @@ pub struct PyRequestCore {
     /// window is full), else None.
     #[pyo3(get, set, name = "_hash_block_size")]
     hash_block_size: Option<i64>,
-    /// Where the Rust manager last found this request's block table (skips the id lookup).
-    pub(crate) table_hint: HintCell,
 }
 
 /// A [`SlotHint`] that can be updated through a shared borrow. The three parts are separate
@@ -272,6 +277,11 @@ impl PyRequestCore {
         &self.tokens
     }
 
+    /// Prefetches where the next token id goes (a batch's second stage).
+    fn prefetch_token_tail(&self) {
+        prefetch(self.tokens.as_ptr().wrapping_add(self.tokens.len()));
+    }
+
     /// The native copy of hash `i` (callers check that the copy matches the list).
     pub(crate) fn mirror_at(&self, i: usize) -> Option<&BlockHash> {
         self.mirror.get(i)
@@ -395,7 +405,11 @@ pub fn append_output_token_ids_batch(
     let base = py.get_type::<PyRequestCore>().getattr(name)?;
     let mut last_type: Option<Bound<'_, PyType>> = None;
     let mut last_native = false;
-    for (request, tokens) in requests.try_iter()?.zip(token_ids.try_iter()?) {
+    let list = requests.downcast_exact::<PyList>().ok();
+    for (i, (request, tokens)) in requests.try_iter()?.zip(token_ids.try_iter()?).enumerate() {
+        if let Some(list) = list {
+            prefetch_ahead(list, i, |core| core.prefetch_token_tail());
+        }
         let (request, tokens) = (request?, tokens?);
         let ty = request.get_type();
         let native = match &last_type {
@@ -415,6 +429,44 @@ pub fn append_output_token_ids_batch(
         }
     }
     Ok(())
+}
+
+/// How far ahead a batch prefetches request objects; the second stage runs half as far.
+const AHEAD: usize = 8;
+
+/// A batch's prefetch pipeline over the requests in `list`, at iteration `i`: the object
+/// `AHEAD` items on (first stage), and `second` on the native state of the one `AHEAD / 2` on,
+/// whose lines the first stage fetched earlier.
+pub(crate) fn prefetch_ahead(
+    list: &Bound<'_, PyList>,
+    i: usize,
+    second: impl FnOnce(&PyRequestCore),
+) {
+    let n = list.len();
+    if i + AHEAD < n {
+        prefetch(list_item_addr(list, i + AHEAD));
+    }
+    if i + AHEAD / 2 < n {
+        if let Ok(item) = list.get_item(i + AHEAD / 2) {
+            if let Ok(core) = item.downcast::<PyRequestCore>() {
+                if let Ok(c) = core.try_borrow() {
+                    second(&c);
+                }
+            }
+        }
+    }
+}
+
+/// The address of `list[i]` (`i < len(list)`), read without touching the object.
+fn list_item_addr(list: &Bound<'_, PyList>, i: usize) -> *const u8 {
+    #[allow(unsafe_code)]
+    // SAFETY: `list` is a live list and the GIL is held; PyList_GetItem returns a borrowed
+    // pointer (or NULL with an IndexError set when `i` is out of range, which callers rule
+    // out). The pointer is only handed to `prefetch` as an address, never dereferenced, so
+    // its lifetime does not matter.
+    unsafe {
+        pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t).cast::<u8>()
+    }
 }
 
 /// One token id: an int in the int64 range (an int subclass counts as its value).
