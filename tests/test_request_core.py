@@ -278,3 +278,24 @@ def test_native_hashes_match_for_any_sequence_prompt(native_hasher: Any) -> None
     b = Request("b", tuple(range(1, 40)), block_hasher=native_hasher)
     c = Request("c", range(1, 40), block_hasher=native_hasher)
     assert a.block_hashes == b.block_hashes == c.block_hashes and len(a.block_hashes) == 9
+
+
+def test_token_view_slices_like_a_list() -> None:
+    """REQ-1: slicing a token view gives what slicing the same list gives."""
+    tokens = [7, 3, 9, 1, 4, 4, 8, 2, 6]
+    r = Request("s", tokens[:5])
+    r.append_output_token_ids(tokens[5:])
+    views = ((r.all_token_ids, tokens), (r.output_token_ids, tokens[5:]))
+    for view, want in views:
+        for sl in (
+            slice(None),
+            slice(2, 5),
+            slice(-3, None),
+            slice(4, 100),
+            slice(6, 2),
+            slice(None, None, 2),
+            slice(None, None, -1),
+            slice(7, 1, -3),
+            slice(50, 60),
+        ):
+            assert view[sl] == want[sl], sl

@@ -340,15 +340,18 @@ class Simulator:
                 break
             t0 = perf()
             if batch:
-                got = mgr.allocate_slots_batch([running[k].req for k in plan], counts)
+                got = mgr.allocate_slots_batch(
+                    [running[k].req for k in plan], counts, allow_none=True
+                )
             else:
                 new_blocks = mgr.allocate_slots(running[plan[0]].req, counts[0])
-                got = [] if new_blocks is None else [new_blocks.get_block_ids()]
+                got = [] if new_blocks is None else [new_blocks.get_block_ids(allow_none=True)]
             ns += perf() - t0
+            # None: no new block in any group (what an engine forwards for most decode steps).
             for k, n, ids in zip(plan, counts, got, strict=False):
                 live = running[k]
                 log += (_T_ALLOC, live.idx, n)
-                for group in ids:
+                for group in ids or ():
                     log.append(_T_GROUP)
                     log += group
                 scheduled.append((live, n))

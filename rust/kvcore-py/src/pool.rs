@@ -14,6 +14,7 @@ use pyo3::types::{PyBytes, PyInt, PyList, PySlice, PyTuple};
 
 use crate::errors::{invalid, to_pyerr, Error};
 use crate::events::{events_to_py, py_to_value, use_int_hashes};
+use crate::request::PyRequestCore;
 
 /// Reads a sequence or iterable of block ids into core ids, checking their range against a
 /// pool of `num_blocks` blocks.
@@ -108,15 +109,30 @@ pub fn stored_meta(
     let token_range = req.token_range;
     let extra_ranges = req.block_ranges;
     let first_mm_idx = req.first_mm_idx;
-    let tokens = request
-        .getattr(intern!(py, "all_token_ids"))?
-        .get_item(PySlice::new(
-            py,
-            token_range.0 as isize,
-            token_range.1 as isize,
-            1,
-        ))?;
-    let token_ids: Vec<i64> = tokens.extract()?;
+    let native = match request.downcast::<PyRequestCore>() {
+        Ok(core) => {
+            let core = core.try_borrow()?;
+            Some(
+                core.tokens()
+                    .get(token_range.0..token_range.1)
+                    .map(<[i64]>::to_vec),
+            )
+        }
+        Err(_) => None,
+    };
+    let token_ids: Vec<i64> = match native {
+        Some(Some(window)) => window,
+        // A duck-typed request, or a range the buffer does not hold: as the reference, by slicing.
+        _ => request
+            .getattr(intern!(py, "all_token_ids"))?
+            .get_item(PySlice::new(
+                py,
+                token_range.0 as isize,
+                token_range.1 as isize,
+                1,
+            ))?
+            .extract()?,
+    };
     let lora = request.getattr(intern!(py, "lora_request"))?;
     let (lora_id, lora_name) = if lora.is_truthy()? {
         (

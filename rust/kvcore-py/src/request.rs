@@ -15,7 +15,7 @@ use pyo3::basic::CompareOp;
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyIterator, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyInt, PyIterator, PyList, PySlice, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::blocks::eq_result;
@@ -272,7 +272,7 @@ impl PyRequestCore {
         (list.len() == self.mirror.len()).then_some(self.mirror.as_slice())
     }
 
-    /// The token ids, read-only (for the block hasher).
+    /// The token ids, read-only (for the block hasher and event metadata).
     pub(crate) fn tokens(&self) -> &[i64] {
         &self.tokens
     }
@@ -582,6 +582,19 @@ impl PyTokenIds {
                 Some(v) => Ok(v.into_pyobject(py)?.into_any()),
                 None => Err(PyIndexError::new_err("token index out of range")),
             };
+        }
+        if let Ok(slice) = index.downcast::<PySlice>() {
+            // Only the selected items become ints (the hasher and the event path slice windows).
+            return self.with(py, |t| -> PyResult<Bound<'py, PyAny>> {
+                let ix = slice.indices(t.len() as isize)?;
+                if ix.step == 1 {
+                    let (a, b) = (ix.start as usize, ix.stop.max(ix.start) as usize);
+                    return Ok(PyList::new(py, &t[a..b])?.into_any());
+                }
+                let picked =
+                    (0..ix.slicelength).map(|k| t[(ix.start + k as isize * ix.step) as usize]);
+                Ok(PyList::new(py, picked)?.into_any())
+            })?;
         }
         self.tail(py)?.as_any().get_item(index)
     }
