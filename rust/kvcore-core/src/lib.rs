@@ -25,6 +25,7 @@ pub mod events;
 pub mod full_attention;
 pub mod hash;
 pub mod hashing;
+pub mod huge;
 pub mod msgpack;
 pub mod pool;
 pub mod prefetch;

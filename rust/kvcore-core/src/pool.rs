@@ -16,11 +16,15 @@
 //!   block holds lists that block exactly once.
 
 use hashbrown::hash_map::Entry as MapEntry;
-use hashbrown::HashMap;
+use hashbrown::{DefaultHashBuilder, HashMap};
 
 use crate::error::PoolError;
 use crate::events::{KvEvent, MetaRequest, StoredMeta};
 use crate::hash::{BlockHash, BlockKey};
+use crate::huge::HugePages;
+
+/// A vector on huge pages once it reaches 2 MiB (the per-block tables; see [`crate::huge`]).
+type HugeVec<T> = allocator_api2::vec::Vec<T, HugePages>;
 
 /// A block id (an index into the pool).
 pub type BlockId = u32;
@@ -94,11 +98,12 @@ pub struct BlockPool {
     /// Per block: its count, queue links and primary slot in one record, so that an operation
     /// on a block touches one cache line; indices `num_blocks` (head) and `num_blocks + 1`
     /// (tail) are the queue's sentinels.
-    nodes: Vec<Node>,
+    nodes: HugeVec<Node>,
     num_free: usize,
-    primaries: Vec<Primary>,
+    primaries: HugeVec<Primary>,
     free_slots: Vec<u32>,
-    index: HashMap<BlockKey, Entry>,
+    /// On huge pages: probed at random, it is the pool's largest table (see [`crate::huge`]).
+    index: HashMap<BlockKey, Entry, DefaultHashBuilder, HugePages>,
     aliases: HashMap<BlockId, Vec<BlockKey>>,
     events: Vec<KvEvent>,
 }
@@ -135,7 +140,8 @@ impl BlockPool {
         let n = num_blocks as usize;
         let head = n as u32;
         let tail = head + 1;
-        let mut nodes = vec![EMPTY_NODE; n + 2];
+        let mut nodes = HugeVec::with_capacity_in(n + 2, HugePages);
+        nodes.resize(n + 2, EMPTY_NODE);
         // Queue [1..n-1]; block 0 is the null block and never linked.
         let mut last = head;
         for b in 1..n as u32 {
@@ -152,9 +158,9 @@ impl BlockPool {
             events_enabled,
             nodes,
             num_free: n - 1,
-            primaries: Vec::new(),
+            primaries: HugeVec::new_in(HugePages),
             free_slots: Vec::new(),
-            index: HashMap::new(),
+            index: HashMap::with_hasher_in(DefaultHashBuilder::default(), HugePages),
             aliases: HashMap::new(),
             events: Vec::new(),
         })
