@@ -387,6 +387,29 @@ impl BlockPool {
         }
     }
 
+    /// Looks `keys` up without changing anything, so that the cache misses of a batch of
+    /// index operations overlap (independent lookups run in parallel; the mutations that
+    /// follow, one at a time, then find their lines cached).
+    fn warm_index<'k>(&self, keys: impl Iterator<Item = &'k BlockKey>) {
+        let found = keys.filter(|k| self.index.contains_key(*k)).count();
+        std::hint::black_box(found);
+    }
+
+    /// [`Self::warm_index`] for the primary keys of the first `n` queued blocks (the ones
+    /// `get_new_blocks` evicts next).
+    fn warm_evictions(&self, n: usize) {
+        let mut found = 0usize;
+        let mut b = self.nodes[self.num_blocks].next;
+        for _ in 0..n {
+            let slot = self.nodes[b as usize].primary_slot;
+            if slot != NIL {
+                found += usize::from(self.index.contains_key(&self.primaries[slot as usize].key));
+            }
+            b = self.nodes[b as usize].next;
+        }
+        std::hint::black_box(found);
+    }
+
     fn set_primary(&mut self, block: BlockId, key: BlockKey, num_tokens: u32) {
         let p = Primary { key, num_tokens };
         let slot = match self.free_slots.pop() {
@@ -504,6 +527,9 @@ impl BlockPool {
         }
         out.reserve(n);
         let head = self.num_blocks as u32;
+        if self.enable_caching && n > 1 {
+            self.warm_evictions(n);
+        }
         for _ in 0..n {
             let b = self.nodes[head as usize].next;
             self.unlink(b);
@@ -719,6 +745,9 @@ impl BlockPool {
         } else {
             None
         };
+        if stored.len() > 1 {
+            self.warm_index(stored.iter().map(|s| &s.2));
+        }
         for &(_, blk, key, covered) in &stored {
             if self.has_hash(blk) {
                 self.remove_keys(blk);
