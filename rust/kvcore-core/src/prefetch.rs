@@ -23,6 +23,16 @@ pub fn prefetch<T>(addr: *const T) {
     let _ = addr;
 }
 
+/// [`prefetch`] for the `lines` cache lines (64 bytes each, rounded up to pairs) starting at
+/// `addr`.
+#[inline(always)]
+pub fn prefetch_lines<T>(addr: *const T, lines: usize) {
+    let p = addr.cast::<u8>();
+    for k in (0..lines).step_by(2) {
+        prefetch(p.wrapping_add(64 * k));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::prefetch;
@@ -33,6 +43,7 @@ mod tests {
         prefetch(v.as_ptr());
         prefetch(std::ptr::null::<u8>());
         prefetch(usize::MAX as *const u8);
+        super::prefetch_lines(v.as_ptr(), 4);
         assert_eq!(v, [1, 2, 3]);
     }
 }

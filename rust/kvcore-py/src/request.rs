@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use kvcore_core::full_attention::SlotHint;
 use kvcore_core::hash::BlockHash;
-use kvcore_core::prefetch::prefetch;
+use kvcore_core::prefetch::{prefetch, prefetch_lines};
 use pyo3::basic::CompareOp;
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::intern;
@@ -434,6 +434,10 @@ pub fn append_output_token_ids_batch(
 /// How far ahead a batch prefetches request objects; the second stage runs half as far.
 const AHEAD: usize = 8;
 
+/// Cache lines a request object spans (header, `PyRequestCore`, pyo3's borrow flag).
+const OBJECT_LINES: usize =
+    (16 + std::mem::size_of::<PyRequestCore>() + 2 * std::mem::size_of::<usize>()).div_ceil(64);
+
 /// A batch's prefetch pipeline over the requests in `list`, at iteration `i`: the object
 /// `AHEAD` items on (first stage), and `second` on the native state of the one `AHEAD / 2` on,
 /// whose lines the first stage fetched earlier.
@@ -444,7 +448,8 @@ pub(crate) fn prefetch_ahead(
 ) {
     let n = list.len();
     if i + AHEAD < n {
-        prefetch(list_item_addr(list, i + AHEAD));
+        // The whole object: pyo3 keeps the borrow flag after the struct, on its last line.
+        prefetch_lines(list_item_addr(list, i + AHEAD), OBJECT_LINES);
     }
     if i + AHEAD / 2 < n {
         if let Ok(item) = list.get_item(i + AHEAD / 2) {
