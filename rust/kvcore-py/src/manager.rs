@@ -114,7 +114,7 @@ impl PyUnitaryFullAttention {
         let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
             Ok(stored_meta(py, request, req)?)
         };
-        let mut pool = self.pool.borrow_mut(py);
+        let mut pool = self.pool.try_borrow_mut(py)?;
         let res = self.core.allocate_slots::<Error>(
             pool.core_mut(),
             view,
@@ -165,7 +165,7 @@ impl PyUnitaryFullAttention {
         let mml = count(max_model_len, "max_model_len")?;
         let wm = count(watermark_blocks, "watermark_blocks")?;
         let core = UnitaryFullAttention::new(
-            pool.borrow(py).core(),
+            pool.try_borrow(py)?.core(),
             bs,
             record_new_block_ids,
             mml,
@@ -189,7 +189,7 @@ impl PyUnitaryFullAttention {
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
     ) -> PyResult<(PyObject, usize)> {
-        let pool = self.pool.borrow(py);
+        let pool = self.pool.try_borrow(py)?;
         if !pool.core().enable_caching()
             || request
                 .getattr(intern!(py, "skip_reading_prefix_cache"))?
@@ -259,7 +259,7 @@ impl PyUnitaryFullAttention {
                         "new_computed_blocks must hold exactly one group for this manager",
                     ));
                 }
-                let pool = self.pool.borrow(py);
+                let pool = self.pool.try_borrow(py)?;
                 for b in groups.get_item(0)?.try_iter()? {
                     let id: i64 = b?.extract()?;
                     hit_ids.push(pool.core().check_id(id).map_err(Error::Pool)?);
@@ -340,7 +340,7 @@ impl PyUnitaryFullAttention {
     /// SPEC MGR-20.
     fn free(&mut self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = Self::request_id(request)?;
-        let mut pool = self.pool.borrow_mut(py);
+        let mut pool = self.pool.try_borrow_mut(py)?;
         Ok(self
             .core
             .tables
@@ -383,12 +383,16 @@ impl PyUnitaryFullAttention {
     }
 
     /// SPEC FA-2 (one value: the only group).
-    fn get_num_common_prefix_blocks(&mut self, py: Python<'_>, request_id: &str) -> Vec<usize> {
-        let pool = self.pool.borrow(py);
-        vec![self
+    fn get_num_common_prefix_blocks(
+        &mut self,
+        py: Python<'_>,
+        request_id: &str,
+    ) -> PyResult<Vec<usize>> {
+        let pool = self.pool.try_borrow(py)?;
+        Ok(vec![self
             .core
             .tables
-            .get_num_common_prefix_blocks(pool.core(), request_id)]
+            .get_num_common_prefix_blocks(pool.core(), request_id)])
     }
 
     /// SPEC STM-6 through the manager (MGR-27); the caller checks that caching is on.
@@ -407,7 +411,7 @@ impl PyUnitaryFullAttention {
         let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
             Ok(stored_meta(py, request, req)?)
         };
-        let mut pool = self.pool.borrow_mut(py);
+        let mut pool = self.pool.try_borrow_mut(py)?;
         Ok(self.core.tables.cache_blocks::<Error>(
             pool.core_mut(),
             id,

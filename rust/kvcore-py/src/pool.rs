@@ -86,8 +86,8 @@ pub fn cached_prefix(
 }
 
 /// The pool's size, read under a borrow that ends at once.
-fn num_blocks(slf: &Bound<'_, PyBlockPool>) -> usize {
-    slf.borrow().inner.num_blocks()
+fn num_blocks(slf: &Bound<'_, PyBlockPool>) -> PyResult<usize> {
+    Ok(slf.try_borrow()?.inner.num_blocks())
 }
 
 /// Converts a digest from Python bytes.
@@ -310,14 +310,18 @@ impl PyBlockPool {
     }
 
     fn touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids = extract_ids(num_blocks(slf), blocks)?;
-        Ok(slf.borrow_mut().inner.touch(&ids).map_err(Error::Pool)?)
+        let ids = extract_ids(num_blocks(slf)?, blocks)?;
+        Ok(slf
+            .try_borrow_mut()?
+            .inner
+            .touch(&ids)
+            .map_err(Error::Pool)?)
     }
 
     fn free_blocks(slf: &Bound<'_, Self>, ordered_blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids = extract_ids(num_blocks(slf), ordered_blocks)?;
+        let ids = extract_ids(num_blocks(slf)?, ordered_blocks)?;
         Ok(slf
-            .borrow_mut()
+            .try_borrow_mut()?
             .inner
             .free_blocks(&ids)
             .map_err(Error::Pool)?)
@@ -343,7 +347,7 @@ impl PyBlockPool {
         }
         let bs = non_negative(block_size, "block_size")?;
         let (n_blocks, hbs, events) = {
-            let me = slf.borrow();
+            let me = slf.try_borrow()?;
             (
                 me.inner.num_blocks(),
                 me.inner.hash_block_size(),
@@ -408,7 +412,7 @@ impl PyBlockPool {
                 .take()
                 .ok_or_else(|| invalid("event metadata requested twice").into())
         };
-        let mut me = slf.borrow_mut();
+        let mut me = slf.try_borrow_mut()?;
         Ok(me.inner.cache_full_blocks::<Error>(
             &new_ids,
             num_cached,
@@ -434,7 +438,7 @@ impl PyBlockPool {
         block_size: i64,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let (n_blocks, hbs, events) = {
-            let me = slf.borrow();
+            let me = slf.try_borrow()?;
             (
                 me.inner.num_blocks(),
                 me.inner.hash_block_size(),
@@ -478,7 +482,7 @@ impl PyBlockPool {
                 .take()
                 .ok_or_else(|| invalid("event metadata requested twice").into())
         };
-        let key = slf.borrow_mut().inner.cache_partial_block::<Error>(
+        let key = slf.try_borrow_mut()?.inner.cache_partial_block::<Error>(
             b,
             nt,
             kv_cache_group_id,
@@ -518,7 +522,7 @@ impl PyBlockPool {
     fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = extract_raw_ids(block_ids)?;
         Ok(slf
-            .borrow_mut()
+            .try_borrow_mut()?
             .inner
             .evict_blocks(&ids)
             .map_err(Error::Pool)?)
@@ -541,13 +545,16 @@ impl PyBlockPool {
         Ok(ok)
     }
 
-    fn take_events(&mut self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        if !self.inner.has_pending_events() {
+    fn take_events(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<Py<PyList>> {
+        if !slf.try_borrow()?.inner.has_pending_events() {
             return Ok(PyList::empty(py).unbind());
         }
         // Read the hash form first: a bad environment value must leave the queue intact.
         let as_int = use_int_hashes(py)?;
-        events_to_py(py, self.inner.take_events(), as_int)
+        // Building the Python events can run Python code (a collection, finalizers) and so
+        // switch threads: the pool is not borrowed while it does.
+        let events = slf.try_borrow_mut()?.inner.take_events();
+        events_to_py(py, events, as_int)
     }
 
     fn get_all_free_block_ids(&self) -> Vec<u32> {
@@ -625,12 +632,12 @@ pub struct BlockList {
 
 #[pymethods]
 impl BlockList {
-    fn __len__(&self, py: Python<'_>) -> usize {
-        self.pool.borrow(py).inner.num_blocks()
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.pool.try_borrow(py)?.inner.num_blocks())
     }
 
     fn __getitem__(&self, py: Python<'_>, index: i64) -> PyResult<KVCacheBlockView> {
-        let pool = self.pool.borrow(py);
+        let pool = self.pool.try_borrow(py)?;
         let n = pool.inner.num_blocks() as i64;
         let i = if index < 0 { index + n } else { index };
         if !(0..n).contains(&i) {
