@@ -25,6 +25,19 @@ fn backing(layout: Layout) -> Result<Layout, AllocError> {
     Layout::from_size_align(layout.size(), layout.align().max(HUGE)).map_err(|_| AllocError)
 }
 
+/// Allocates `layout`'s backing layout with `alloc`, advising huge pages when it is large.
+fn with_advice(
+    layout: Layout,
+    alloc: impl FnOnce(Layout) -> Result<NonNull<[u8]>, AllocError>,
+) -> Result<NonNull<[u8]>, AllocError> {
+    let real = backing(layout)?;
+    let block = alloc(real)?;
+    if real.size() >= HUGE {
+        advise(block);
+    }
+    Ok(block)
+}
+
 #[cfg(target_os = "linux")]
 fn advise(block: NonNull<[u8]>) {
     #[allow(unsafe_code)]
@@ -52,21 +65,11 @@ fn advise(_block: NonNull<[u8]>) {}
 // built on `allocate` and `deallocate`.
 unsafe impl Allocator for HugePages {
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        let real = backing(layout)?;
-        let block = Global.allocate(real)?;
-        if real.size() >= HUGE {
-            advise(block);
-        }
-        Ok(block)
+        with_advice(layout, |real| Global.allocate(real))
     }
 
     fn allocate_zeroed(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        let real = backing(layout)?;
-        let block = Global.allocate_zeroed(real)?;
-        if real.size() >= HUGE {
-            advise(block);
-        }
-        Ok(block)
+        with_advice(layout, |real| Global.allocate_zeroed(real))
     }
 
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {

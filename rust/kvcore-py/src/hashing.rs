@@ -12,6 +12,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::Borrowed;
 
 use crate::request::PyRequestCore;
 
@@ -114,19 +115,22 @@ impl Converter {
     }
 }
 
+/// An exact int within int64 (a subclass or a bigger int: `None`).
+fn exact_int(item: &Bound<'_, PyAny>) -> Option<i64> {
+    if !item.is_exact_instance_of::<PyInt>() {
+        return None;
+    }
+    item.extract::<i64>().ok()
+}
+
 /// Token ids of a tuple of exact ints, or `None` if any is not a 64-bit int.
 ///
 /// Items are read borrowed (no reference-count traffic): this loop is most of the cost of
 /// hashing a prompt.
-fn tokens_of(tuple: &Bound<'_, PyTuple>) -> Option<Vec<i64>> {
-    let n = tuple.len();
-    let mut out = Vec::with_capacity(n);
-    for i in 0..n {
-        let item = tuple.get_borrowed_item(i).ok()?;
-        if !item.is_exact_instance_of::<PyInt>() {
-            return None;
-        }
-        out.push(item.extract::<i64>().ok()?);
+pub(crate) fn tokens_of(tuple: &Bound<'_, PyTuple>) -> Option<Vec<i64>> {
+    let mut out = Vec::with_capacity(tuple.len());
+    for item in tuple.iter_borrowed() {
+        out.push(exact_int(&item)?);
     }
     Some(out)
 }
@@ -303,17 +307,30 @@ fn may_have_extra_keys(request: &Bound<'_, PyAny>) -> PyResult<bool> {
     })
 }
 
-/// `all_tokens[start..end]` as 64-bit ints, or `None` if any is not an exact 64-bit int.
-///
-/// The range is copied into a tuple first (CPython's own loop takes the references), then read
-/// through borrowed items: no per-token reference-count calls.
-fn list_tokens(all_tokens: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
-    let tuple = if start == 0 && end == all_tokens.len() {
-        all_tokens.to_tuple()
-    } else {
-        all_tokens.get_slice(start, end).to_tuple()
-    };
-    tokens_of(&tuple)
+/// `all_tokens[start..end]` as 64-bit ints, or `None` if any is not an exact 64-bit int or
+/// the range is past the end. Items are read borrowed, as in [`tokens_of`].
+pub(crate) fn list_tokens(
+    all_tokens: &Bound<'_, PyList>,
+    start: usize,
+    end: usize,
+) -> Option<Vec<i64>> {
+    if start > end || end > all_tokens.len() {
+        return None;
+    }
+    let py = all_tokens.py();
+    let mut out = Vec::with_capacity(end - start);
+    for i in start..end {
+        #[allow(unsafe_code)]
+        // SAFETY: `all_tokens` is a live list, the GIL is held and `i` is in range (checked
+        // above; nothing here runs Python code, so the list cannot shrink), so PyList_GetItem
+        // returns a non-null borrowed reference without setting an error. The item lives while
+        // the list holds it, and is only read as an exact int before the next iteration.
+        let item = unsafe {
+            Borrowed::from_ptr_or_opt(py, pyo3::ffi::PyList_GetItem(all_tokens.as_ptr(), i as _))
+        }?;
+        out.push(exact_int(&item)?);
+    }
+    Some(out)
 }
 
 /// The request block hasher of `kvcore.hashing.get_request_block_hasher` for the four native
@@ -401,7 +418,7 @@ impl PyRequestBlockHasher {
         let Some((start, end)) = self.window(done, num_tokens) else {
             return Ok(Some(Vec::new()));
         };
-        if may_have_extra_keys(request)? || end > all_tokens.len() {
+        if may_have_extra_keys(request)? {
             return Ok(None);
         }
         let Some(tokens) = list_tokens(all_tokens, start, end) else {

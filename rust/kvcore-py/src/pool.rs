@@ -110,18 +110,15 @@ pub fn stored_meta(
     let extra_ranges = req.block_ranges;
     let first_mm_idx = req.first_mm_idx;
     let native = match request.downcast::<PyRequestCore>() {
-        Ok(core) => {
-            let core = core.try_borrow()?;
-            Some(
-                core.tokens()
-                    .get(token_range.0..token_range.1)
-                    .map(<[i64]>::to_vec),
-            )
-        }
+        Ok(core) => core
+            .try_borrow()?
+            .tokens()
+            .get(token_range.0..token_range.1)
+            .map(<[i64]>::to_vec),
         Err(_) => None,
     };
     let token_ids: Vec<i64> = match native {
-        Some(Some(window)) => window,
+        Some(window) => window,
         // A duck-typed request, or a range the buffer does not hold: as the reference, by slicing.
         _ => request
             .getattr(intern!(py, "all_token_ids"))?

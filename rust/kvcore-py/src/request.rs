@@ -19,7 +19,7 @@ use pyo3::types::{PyDict, PyInt, PyIterator, PyList, PySlice, PyString, PyTuple,
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::blocks::eq_result;
-use crate::hashing::{py_hash, PyRequestBlockHasher};
+use crate::hashing::{list_tokens, py_hash, tokens_of, PyRequestBlockHasher};
 use crate::pool::to_hash;
 
 /// Native base of `kvcore.request.Request`; see the module docs.
@@ -482,41 +482,19 @@ fn token_value(tok: &Bound<'_, PyInt>) -> PyResult<i64> {
 
 /// Token ids from a list, tuple or any iterable of ints, read before anything changes.
 fn token_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
-    let py = obj.py();
-    if let Ok(list) = obj.downcast_exact::<PyList>() {
-        let n = list.len();
-        let mut out = Vec::with_capacity(n);
-        for i in 0..n {
-            // SAFETY: `list` is a live exact list and the GIL is held. PyList_GetItem returns a
-            // borrowed reference (or NULL past the end, which `from_ptr_or_err` turns into an
-            // error), valid while the list keeps the item: nothing below runs Python code
-            // (an exact int is read without calling into Python; anything else goes through
-            // the owned, generic path after this loop ends), so the list cannot change.
-            #[allow(unsafe_code)]
-            let item = unsafe {
-                pyo3::Borrowed::from_ptr_or_err(
-                    py,
-                    pyo3::ffi::PyList_GetItem(list.as_ptr(), i as _),
-                )
-            }?;
-            if !item.is_exact_instance_of::<PyInt>() {
-                return token_iter(obj);
-            }
-            out.push(token_value(item.downcast::<PyInt>()?)?);
-        }
-        return Ok(out);
+    // Lists and tuples of exact int64 ints are read borrowed; anything else (an int subclass,
+    // a bad item, another iterable) goes through the iterator, which names what is wrong.
+    let fast = if let Ok(list) = obj.downcast_exact::<PyList>() {
+        list_tokens(list, 0, list.len())
+    } else if let Ok(tuple) = obj.downcast_exact::<PyTuple>() {
+        tokens_of(tuple)
+    } else {
+        None
+    };
+    match fast {
+        Some(tokens) => Ok(tokens),
+        None => token_iter(obj),
     }
-    if let Ok(tuple) = obj.downcast_exact::<PyTuple>() {
-        let mut out = Vec::with_capacity(tuple.len());
-        for item in tuple.iter_borrowed() {
-            if !item.is_exact_instance_of::<PyInt>() {
-                return token_iter(obj);
-            }
-            out.push(token_value(item.downcast::<PyInt>()?)?);
-        }
-        return Ok(out);
-    }
-    token_iter(obj)
 }
 
 /// [`token_vec`] through the iterator protocol.
