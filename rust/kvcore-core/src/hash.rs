@@ -44,6 +44,18 @@ impl BlockHash {
         self.len as usize
     }
 
+    /// The digest as four little-endian words, zero-padded past its length (for mixing).
+    #[inline]
+    pub fn words(&self) -> [u64; 4] {
+        let mut out = [0u64; 4];
+        for (w, chunk) in out.iter_mut().zip(self.bytes.chunks_exact(8)) {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(chunk);
+            *w = u64::from_le_bytes(b);
+        }
+        out
+    }
+
     /// The integer form used in KV events (SPEC EVT-2): the last 8 bytes read big-endian.
     pub fn event_int(&self) -> u64 {
         let b = self.as_bytes();

@@ -5,8 +5,9 @@
 //! Blocks are plain indices. Per block the pool keeps a reference count and two queue links
 //! (`prev`/`next` arrays with a head and a tail sentinel, as in slab's vacant chain), plus an
 //! index into a small slab of primary keys that only hashed blocks use. The prefix-cache index
-//! maps a [`BlockKey`] to the blocks stored under it in insertion order; alias keys (SPEC MAP-6)
-//! live in a side table that is empty unless partial entries are used.
+//! ([`index`]) lists `(key, block)` pairs, each key's in insertion order; a pair is named by the
+//! block's id for its primary key, or by an alias record (SPEC MAP-6: keys of partial entries,
+//! rare) numbered after the blocks.
 //!
 //! # Invariants
 //! Checked by [`BlockPool::check_invariants`]:
@@ -15,8 +16,11 @@
 //! - every key in the index lists only blocks that hold it (primary or alias), and every key a
 //!   block holds lists that block exactly once.
 
-use hashbrown::hash_map::Entry as MapEntry;
-use hashbrown::{DefaultHashBuilder, HashMap};
+mod index;
+
+use hashbrown::{HashMap, HashSet};
+
+use index::{mix, PrefixIndex};
 
 use crate::error::PoolError;
 use crate::events::{KvEvent, MetaRequest, StoredMeta};
@@ -32,35 +36,14 @@ pub type BlockId = u32;
 /// Marks "no link" / "no key" in the per-block arrays.
 const NIL: u32 = u32::MAX;
 
-/// The blocks stored under one prefix-cache key, in insertion order (SPEC MAP-1).
-#[derive(Debug, Clone)]
-enum Entry {
-    One(BlockId),
-    Many(Vec<BlockId>),
-}
+/// Largest pool: pair ids (block ids, then alias records) must stay below `u32::MAX`.
+const MAX_BLOCKS: i64 = 1 << 31;
 
-impl Entry {
-    fn first(&self) -> BlockId {
-        match self {
-            Entry::One(b) => *b,
-            // A `Many` entry always holds at least one block (see `remove`).
-            Entry::Many(v) => v[0],
-        }
-    }
-
-    fn contains(&self, block: BlockId) -> bool {
-        match self {
-            Entry::One(b) => *b == block,
-            Entry::Many(v) => v.contains(&block),
-        }
-    }
-
-    fn ids(&self) -> &[BlockId] {
-        match self {
-            Entry::One(b) => std::slice::from_ref(b),
-            Entry::Many(v) => v,
-        }
-    }
+/// An alias key of a block (SPEC MAP-6); its pair id is `num_blocks + record index`.
+#[derive(Debug, Clone, Copy)]
+struct Alias {
+    key: BlockKey,
+    block: BlockId,
 }
 
 /// The primary key of a hashed block and the prefix length it covers (SPEC BLK-1).
@@ -102,9 +85,12 @@ pub struct BlockPool {
     num_free: usize,
     primaries: HugeVec<Primary>,
     free_slots: Vec<u32>,
-    /// On huge pages: probed at random, it is the pool's largest table (see [`crate::huge`]).
-    index: HashMap<BlockKey, Entry, DefaultHashBuilder, HugePages>,
-    aliases: HashMap<BlockId, Vec<BlockKey>>,
+    index: PrefixIndex,
+    /// Alias records (a slab: `free_aliases` lists the vacant ones) and each block's, oldest
+    /// first.
+    alias_records: Vec<Alias>,
+    free_aliases: Vec<u32>,
+    aliases: HashMap<BlockId, Vec<u32>>,
     events: Vec<KvEvent>,
 }
 
@@ -122,14 +108,14 @@ impl BlockPool {
     /// is `[1..num_blocks-1]` (SPEC POOL-1).
     ///
     /// # Errors
-    /// [`PoolError::InvalidPoolSize`] when `num_blocks <= 0` or does not fit in a `u32`.
+    /// [`PoolError::InvalidPoolSize`] when `num_blocks <= 0` or `num_blocks > 2^31`.
     pub fn new(
         num_blocks: i64,
         enable_caching: bool,
         hash_block_size: usize,
         events_enabled: bool,
     ) -> Result<Self, PoolError> {
-        if num_blocks <= 0 || num_blocks >= i64::from(u32::MAX - 2) {
+        if num_blocks <= 0 || num_blocks > MAX_BLOCKS {
             return Err(PoolError::InvalidPoolSize(num_blocks));
         }
         if hash_block_size == 0 {
@@ -160,7 +146,9 @@ impl BlockPool {
             num_free: n - 1,
             primaries: HugeVec::new_in(HugePages),
             free_slots: Vec::new(),
-            index: HashMap::with_hasher_in(DefaultHashBuilder::default(), HugePages),
+            index: PrefixIndex::new(),
+            alias_records: Vec::new(),
+            free_aliases: Vec::new(),
             aliases: HashMap::new(),
             events: Vec::new(),
         })
@@ -263,14 +251,31 @@ impl BlockPool {
         self.nodes[block as usize].primary_slot != NIL
     }
 
-    /// The block's alias keys (SPEC MAP-6).
-    pub fn alias_keys(&self, block: BlockId) -> &[BlockKey] {
-        self.aliases.get(&block).map_or(&[], |v| v.as_slice())
+    /// The block's alias keys, oldest first (SPEC MAP-6).
+    pub fn alias_keys(&self, block: BlockId) -> Vec<BlockKey> {
+        self.aliases.get(&block).map_or_else(Vec::new, |ids| {
+            ids.iter()
+                .map(|&a| self.alias_records[a as usize].key)
+                .collect()
+        })
+    }
+
+    /// Whether `block` holds `key` (as primary or alias), which is exactly when the index lists
+    /// it under `key`.
+    fn holds(&self, block: BlockId, key: &BlockKey) -> bool {
+        if self.primary_key(block).is_some_and(|(k, _)| k == *key) {
+            return true;
+        }
+        !self.aliases.is_empty()
+            && self.aliases.get(&block).is_some_and(|ids| {
+                ids.iter()
+                    .any(|&a| self.alias_records[a as usize].key == *key)
+            })
     }
 
     /// Number of keys in the prefix-cache index (SPEC MAP-5).
     pub fn num_cached_keys(&self) -> usize {
-        self.index.len()
+        self.index.num_keys()
     }
 
     /// Whether the block is linked in the free queue.
@@ -297,12 +302,25 @@ impl BlockPool {
     /// The earliest inserted block still stored under `key` (SPEC MAP-2).
     #[inline]
     pub fn get_one_block(&self, key: &BlockKey) -> Option<BlockId> {
-        self.index.get(key).map(Entry::first)
+        let keys = PairKeys::of(self);
+        self.index
+            .first(mix(key), |p| keys.is(p, key))
+            .map(|p| keys.block(p))
+    }
+
+    /// Every block stored under `key`, in insertion order (SPEC MAP-1).
+    pub fn blocks_of(&self, key: &BlockKey) -> Vec<BlockId> {
+        let keys = PairKeys::of(self);
+        self.index
+            .all(mix(key), |p| keys.is(p, key))
+            .into_iter()
+            .map(|p| keys.block(p))
+            .collect()
     }
 
     /// Whether `key` lists `block` (SPEC MAP-7).
     pub fn contains(&self, key: &BlockKey, block: BlockId) -> bool {
-        self.index.get(key).is_some_and(|e| e.contains(block))
+        (block as usize) < self.num_blocks && self.holds(block, key)
     }
 
     /// `[MAP-2(hash‖g) for g in group_ids]`, or `None` when any group misses (SPEC POOL-4).
@@ -339,75 +357,25 @@ impl BlockPool {
         out
     }
 
-    /// Adds `block` under `key` unless the key already lists it (one probe of the index);
-    /// true when it was added.
-    fn index_insert_new(&mut self, key: BlockKey, block: BlockId) -> bool {
-        match self.index.entry(key) {
-            MapEntry::Vacant(v) => {
-                v.insert(Entry::One(block));
-                true
-            }
-            MapEntry::Occupied(mut o) => {
-                let e = o.get_mut();
-                if e.contains(block) {
-                    return false;
-                }
-                match e {
-                    Entry::One(b) => *e = Entry::Many(vec![*b, block]),
-                    Entry::Many(v) => v.push(block),
-                }
-                true
-            }
-        }
-    }
-
-    /// SPEC MAP-4: removes `block` from `key`; true when something was removed.
-    fn index_remove(&mut self, key: &BlockKey, block: BlockId) -> bool {
-        let MapEntry::Occupied(mut o) = self.index.entry(*key) else {
-            return false;
-        };
-        match o.get_mut() {
-            Entry::One(b) => {
-                if *b != block {
-                    return false;
-                }
-                o.remove();
-                true
-            }
-            Entry::Many(v) => {
-                let Some(pos) = v.iter().position(|&x| x == block) else {
-                    return false;
-                };
-                v.remove(pos);
-                if v.is_empty() {
-                    o.remove();
-                }
-                true
-            }
-        }
-    }
-
-    /// Looks `keys` up without changing anything, so that the cache misses of a batch of
-    /// index operations overlap (independent lookups run in parallel; the mutations that
-    /// follow, one at a time, then find their lines cached).
+    /// Starts loading the index lines of `keys`, so that the cache misses of a batch of index
+    /// operations overlap instead of stalling one after another.
     fn warm_index<'k>(&self, keys: impl Iterator<Item = &'k BlockKey>) {
-        let found = keys.filter(|k| self.index.contains_key(*k)).count();
-        std::hint::black_box(found);
+        for k in keys {
+            self.index.prefetch(mix(k));
+        }
     }
 
     /// [`Self::warm_index`] for the primary keys of the first `n` queued blocks (the ones
     /// `get_new_blocks` evicts next).
     fn warm_evictions(&self, n: usize) {
-        let mut found = 0usize;
         let mut b = self.nodes[self.num_blocks].next;
         for _ in 0..n {
             let slot = self.nodes[b as usize].primary_slot;
             if slot != NIL {
-                found += usize::from(self.index.contains_key(&self.primaries[slot as usize].key));
+                self.index.prefetch(mix(&self.primaries[slot as usize].key));
             }
             b = self.nodes[b as usize].next;
         }
-        std::hint::black_box(found);
     }
 
     fn set_primary(&mut self, block: BlockId, key: BlockKey, num_tokens: u32) {
@@ -434,25 +402,42 @@ impl BlockPool {
 
     /// SPEC POOL-31: stores `block` under `key` unless it already is.
     fn insert_key(&mut self, key: BlockKey, block: BlockId, num_tokens: u32) {
-        if let Some((pk, _)) = self.primary_key(block) {
-            if pk == key {
-                return;
-            }
-        }
-        if !self.index_insert_new(key, block) {
+        if self.holds(block, &key) {
             return;
         }
-        if self.has_hash(block) {
-            self.aliases.entry(block).or_default().push(key);
+        let pair = if self.has_hash(block) {
+            let record = Alias { key, block };
+            let a = match self.free_aliases.pop() {
+                Some(a) => {
+                    self.alias_records[a as usize] = record;
+                    a
+                }
+                None => {
+                    self.alias_records.push(record);
+                    (self.alias_records.len() - 1) as u32
+                }
+            };
+            self.aliases.entry(block).or_default().push(a);
+            // Below u32::MAX: at most 2^31 blocks and fewer than 2^31 live aliases (each
+            // takes 44 bytes).
+            self.num_blocks as u32 + a
         } else {
             self.set_primary(block, key, num_tokens);
-        }
+            block
+        };
+        let keys = PairKeys::split(
+            &self.nodes,
+            &self.primaries,
+            &self.alias_records,
+            self.num_blocks,
+        );
+        self.index.insert(mix(&key), pair, |p| keys.is(p, &key));
     }
 
     /// Removes every key of `block` (primary first, then aliases), resets its hash and emits one
     /// `BlockRemoved` per key actually removed (SPEC POOL-6).
     fn remove_keys(&mut self, block: BlockId) {
-        let primary = self.primary_key(block).map(|(k, _)| k);
+        let primary = self.primary_key(block).map(|(k, _)| (block, k));
         // Aliases are rare: skip the probe while there are none.
         let aliases = if self.aliases.is_empty() {
             None
@@ -462,14 +447,27 @@ impl BlockPool {
         if primary.is_none() && aliases.is_none() {
             return;
         }
-        for key in primary.into_iter().chain(aliases.into_iter().flatten()) {
-            if self.index_remove(&key, block) && self.events_enabled {
+        let n = self.num_blocks as u32;
+        let alias_pairs = aliases
+            .iter()
+            .flatten()
+            .map(|&a| (n + a, self.alias_records[a as usize].key))
+            .collect::<Vec<_>>();
+        for (pair, key) in primary.into_iter().chain(alias_pairs) {
+            let keys = PairKeys::split(
+                &self.nodes,
+                &self.primaries,
+                &self.alias_records,
+                self.num_blocks,
+            );
+            if self.index.remove(mix(&key), pair, |p| keys.is(p, &key)) && self.events_enabled {
                 self.events.push(KvEvent::BlockRemoved {
                     block_hash: key.hash,
                     group_idx: key.group_id,
                 });
             }
         }
+        self.free_aliases.extend(aliases.into_iter().flatten());
         self.clear_primary(block);
     }
 
@@ -876,6 +874,8 @@ impl BlockPool {
         }
         self.index.clear();
         self.aliases.clear();
+        self.alias_records.clear();
+        self.free_aliases.clear();
         for node in &mut self.nodes {
             node.primary_slot = NIL;
         }
@@ -963,46 +963,135 @@ impl BlockPool {
                 return Err(format!("block {b} has stale queue links"));
             }
         }
-        // Index <-> block keys.
-        let mut held = 0usize;
-        for b in 0..n as u32 {
-            let primary = self.primary_key(b).map(|(k, _)| k);
-            let aliases = self.alias_keys(b);
-            if primary.is_none() && !aliases.is_empty() {
-                return Err(format!("block {b} has aliases but no primary key"));
-            }
-            if b == 0 && primary.is_some() {
-                return Err("the null block holds a key".into());
-            }
-            for key in primary.iter().chain(aliases.iter()) {
-                match self.index.get(key) {
-                    Some(e) if e.ids().iter().filter(|&&x| x == b).count() == 1 => held += 1,
-                    _ => {
-                        return Err(format!(
-                            "block {b} holds a key the index does not list once"
-                        ))
-                    }
-                }
-            }
-        }
-        let listed: usize = self.index.values().map(|e| e.ids().len()).sum();
-        if listed != held {
-            return Err(format!(
-                "index lists {listed} (key, block) pairs, blocks hold {held}"
-            ));
-        }
-        for e in self.index.values() {
-            if let Entry::Many(v) = e {
-                if v.is_empty() {
-                    return Err("empty index entry".into());
-                }
-            }
-        }
+        self.check_index()?;
         let live_slots = self.nodes.iter().filter(|n| n.primary_slot != NIL).count();
         if live_slots + self.free_slots.len() != self.primaries.len() {
             return Err("primary key slab out of balance".into());
         }
         Ok(())
+    }
+}
+
+impl BlockPool {
+    /// The index part of [`Self::check_invariants`].
+    fn check_index(&self) -> Result<(), String> {
+        let n = self.num_blocks;
+        let keys = PairKeys::of(self);
+        let mut listed: HashMap<u32, usize> = HashMap::new();
+        let mut distinct: HashSet<BlockKey> = HashSet::new();
+        for (pair, tag, home, at) in self.index.entries() {
+            let Some(key) = keys.key(pair) else {
+                return Err(format!("index lists pair {pair}, which holds no key"));
+            };
+            let h = mix(&key);
+            if PrefixIndex::tag_of(h) != tag || self.index.home_of(h) != home {
+                return Err(format!("index slot {at} does not match its key"));
+            }
+            if !self.index.reachable(home, at) {
+                return Err(format!("index slot {at} is cut off from its home"));
+            }
+            *listed.entry(pair).or_default() += 1;
+            distinct.insert(key);
+        }
+        let mut held = 0usize;
+        for b in 0..n as u32 {
+            let aliases = self.aliases.get(&b).map_or(&[][..], Vec::as_slice);
+            if !self.has_hash(b) && !aliases.is_empty() {
+                return Err(format!("block {b} has aliases but no primary key"));
+            }
+            if b == 0 && self.has_hash(b) {
+                return Err("the null block holds a key".into());
+            }
+            let pairs = self.has_hash(b).then_some(b).into_iter();
+            for pair in pairs.chain(aliases.iter().map(|&a| n as u32 + a)) {
+                if listed.get(&pair) != Some(&1) {
+                    return Err(format!(
+                        "block {b} holds a key the index does not list once"
+                    ));
+                }
+                if keys.block(pair) != b {
+                    return Err(format!("alias pair {pair} names another block"));
+                }
+                held += 1;
+            }
+        }
+        if listed.len() != held || self.index.num_pairs() != held {
+            return Err(format!(
+                "index lists {} (key, block) pairs, blocks hold {held}",
+                self.index.num_pairs()
+            ));
+        }
+        if distinct.len() != self.index.num_keys() {
+            return Err(format!(
+                "index counts {} keys, lists {}",
+                self.index.num_keys(),
+                distinct.len()
+            ));
+        }
+        let live_aliases: usize = self.aliases.values().map(Vec::len).sum();
+        if live_aliases + self.free_aliases.len() != self.alias_records.len() {
+            return Err("alias records out of balance".into());
+        }
+        Ok(())
+    }
+}
+
+/// Reads the key and block a pair id names: a block's primary key, or an alias record.
+struct PairKeys<'a> {
+    nodes: &'a [Node],
+    primaries: &'a [Primary],
+    aliases: &'a [Alias],
+    num_blocks: usize,
+}
+
+impl<'a> PairKeys<'a> {
+    fn of(pool: &'a BlockPool) -> Self {
+        Self::split(
+            &pool.nodes,
+            &pool.primaries,
+            &pool.alias_records,
+            pool.num_blocks,
+        )
+    }
+
+    fn split(
+        nodes: &'a [Node],
+        primaries: &'a [Primary],
+        aliases: &'a [Alias],
+        num_blocks: usize,
+    ) -> Self {
+        Self {
+            nodes,
+            primaries,
+            aliases,
+            num_blocks,
+        }
+    }
+
+    #[inline]
+    fn key(&self, pair: u32) -> Option<BlockKey> {
+        let p = pair as usize;
+        if p < self.num_blocks {
+            let slot = self.nodes[p].primary_slot;
+            (slot != NIL).then(|| self.primaries[slot as usize].key)
+        } else {
+            self.aliases.get(p - self.num_blocks).map(|a| a.key)
+        }
+    }
+
+    #[inline]
+    fn is(&self, pair: u32, key: &BlockKey) -> bool {
+        self.key(pair).is_some_and(|k| k == *key)
+    }
+
+    #[inline]
+    fn block(&self, pair: u32) -> BlockId {
+        let p = pair as usize;
+        if p < self.num_blocks {
+            pair
+        } else {
+            self.aliases[p - self.num_blocks].block
+        }
     }
 }
 
