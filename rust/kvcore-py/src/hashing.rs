@@ -116,11 +116,21 @@ impl Converter {
 }
 
 /// An exact int within int64 (a subclass or a bigger int: `None`).
-fn exact_int(item: &Bound<'_, PyAny>) -> Option<i64> {
+///
+/// One C call per int (pyo3's extraction adds a second call and an error check), as prompts
+/// are read token by token.
+#[inline]
+pub(crate) fn exact_int(item: &Bound<'_, PyAny>) -> Option<i64> {
     if !item.is_exact_instance_of::<PyInt>() {
         return None;
     }
-    item.extract::<i64>().ok()
+    let mut overflow: std::os::raw::c_int = 0;
+    #[allow(unsafe_code)]
+    // SAFETY: `item` is a live exact int and the GIL is held. For an int object the call only
+    // reads its digits: it sets no error and returns the value, or -1 with `overflow` set
+    // when the value does not fit a C long long (64 bits on every platform CPython supports).
+    let value = unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(item.as_ptr(), &mut overflow) };
+    (overflow == 0).then_some(value)
 }
 
 /// Token ids of a tuple of exact ints, or `None` if any is not a 64-bit int.

@@ -19,7 +19,7 @@ use pyo3::types::{PyDict, PyInt, PyIterator, PyList, PySlice, PyString, PyTuple,
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::blocks::eq_result;
-use crate::hashing::{list_tokens, py_hash, tokens_of, PyRequestBlockHasher};
+use crate::hashing::{exact_int, list_tokens, py_hash, tokens_of, PyRequestBlockHasher};
 use crate::pool::to_hash;
 
 /// Native base of `kvcore.request.Request`; see the module docs.
@@ -476,6 +476,9 @@ fn list_item_addr(list: &Bound<'_, PyList>, i: usize) -> *const u8 {
 
 /// One token id: an int in the int64 range (an int subclass counts as its value).
 fn token_value(tok: &Bound<'_, PyInt>) -> PyResult<i64> {
+    if let Some(v) = exact_int(tok.as_any()) {
+        return Ok(v);
+    }
     tok.extract::<i64>()
         .map_err(|_| PyValueError::new_err(format!("token id {tok} is outside the int64 range")))
 }
