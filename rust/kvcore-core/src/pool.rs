@@ -26,6 +26,7 @@ use crate::error::PoolError;
 use crate::events::{KvEvent, MetaRequest, StoredMeta};
 use crate::hash::{BlockHash, BlockKey};
 use crate::huge::HugePages;
+use crate::prefetch::prefetch;
 
 /// A vector on huge pages once it reaches 2 MiB (the per-block tables; see [`crate::huge`]).
 type HugeVec<T> = allocator_api2::vec::Vec<T, HugePages>;
@@ -339,6 +340,9 @@ impl BlockPool {
         hashes: impl IntoIterator<Item = BlockHash>,
         group_ids: &[u32],
     ) -> Vec<Vec<BlockId>> {
+        if let [g] = group_ids {
+            return vec![self.longest_prefix_in(hashes, *g)];
+        }
         let mut out: Vec<Vec<BlockId>> = vec![Vec::new(); group_ids.len()];
         'outer: for h in hashes {
             let start = out.first().map_or(0, Vec::len);
@@ -355,6 +359,52 @@ impl BlockPool {
             }
         }
         out
+    }
+
+    /// [`Self::longest_cached_prefix`] for one group, looked up in chunks whose cache misses
+    /// overlap: the chunk's index lines are prefetched together, then the blocks its tags point
+    /// at, then those blocks' keys, and only then is each hit confirmed in order. Chunks start
+    /// small (a miss on the first block wastes little) and double.
+    fn longest_prefix_in(
+        &self,
+        hashes: impl IntoIterator<Item = BlockHash>,
+        g: u32,
+    ) -> Vec<BlockId> {
+        let keys = PairKeys::of(self);
+        let mut hashes = hashes.into_iter();
+        let mut out = Vec::new();
+        let mut chunk: Vec<(BlockKey, u64, Option<u32>)> = Vec::new();
+        let mut size = 4;
+        loop {
+            chunk.clear();
+            chunk.extend(hashes.by_ref().take(size).map(|h| {
+                let key = BlockKey::new(h, g);
+                let m = mix(&key);
+                self.index.prefetch(m);
+                (key, m, None)
+            }));
+            if chunk.is_empty() {
+                return out;
+            }
+            for c in &mut chunk {
+                c.2 = self.index.candidate(c.1);
+                if let Some(p) = c.2 {
+                    keys.prefetch_pair(p);
+                }
+            }
+            for c in &chunk {
+                if let Some(p) = c.2 {
+                    keys.prefetch_key(p);
+                }
+            }
+            for (key, m, _) in &chunk {
+                match self.index.first(*m, |p| keys.is(p, key)) {
+                    Some(p) => out.push(keys.block(p)),
+                    None => return out,
+                }
+            }
+            size = (size * 2).min(32);
+        }
     }
 
     /// Starts loading the index lines of `keys`, so that the cache misses of a batch of index
@@ -1076,6 +1126,29 @@ impl<'a> PairKeys<'a> {
             (slot != NIL).then(|| self.primaries[slot as usize].key)
         } else {
             self.aliases.get(p - self.num_blocks).map(|a| a.key)
+        }
+    }
+
+    /// Starts loading the record that names the pair's key.
+    #[inline]
+    fn prefetch_pair(&self, pair: u32) {
+        let p = pair as usize;
+        if p < self.num_blocks {
+            prefetch(&raw const self.nodes[p]);
+        } else if let Some(a) = self.aliases.get(p - self.num_blocks) {
+            prefetch(a);
+        }
+    }
+
+    /// Starts loading the pair's key (its record should be cached: see [`Self::prefetch_pair`]).
+    #[inline]
+    fn prefetch_key(&self, pair: u32) {
+        let p = pair as usize;
+        if p < self.num_blocks {
+            let slot = self.nodes[p].primary_slot;
+            if let Some(primary) = self.primaries.get(slot as usize) {
+                prefetch(primary);
+            }
         }
     }
 

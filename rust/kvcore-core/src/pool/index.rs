@@ -133,6 +133,24 @@ impl PrefixIndex {
         }
     }
 
+    /// The first pair whose tag matches the key's, unconfirmed: what [`Self::first`] will most
+    /// likely return, known without touching the pairs' keys (to prefetch them).
+    #[inline]
+    pub(crate) fn candidate(&self, h: u64) -> Option<u32> {
+        let (mask, tag) = (self.mask(), Self::tag(h));
+        let mut i = self.home(h);
+        loop {
+            let s = self.slots[i];
+            if s == EMPTY {
+                return None;
+            }
+            if s >> 32 == tag {
+                return Some(Self::pair_in(s));
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
     /// Every pair of the key, in insertion order.
     pub(crate) fn all(&self, h: u64, is_key: impl Fn(u32) -> bool) -> Vec<u32> {
         let (mask, tag) = (self.mask(), Self::tag(h));

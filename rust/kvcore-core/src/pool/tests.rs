@@ -422,3 +422,37 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// The chunked one-group hit search (chunks of 4, 8, 16, 32...) agrees with walking the
+    /// hashes one `get_one_block` at a time, wherever the first miss falls, duplicates and
+    /// evictions included.
+    #[test]
+    fn one_group_prefix_matches_a_plain_walk(
+        len in 0usize..120,
+        cached in 0usize..120,
+        evict in proptest::collection::vec(0usize..120, 0..4),
+        dup in any::<bool>(),
+    ) {
+        let hashes: Vec<BlockHash> = (0..120u8).map(h).collect();
+        let mut p = BlockPool::new(400, true, 16, false).unwrap();
+        let n = cached.min(len);
+        let blocks = p.get_new_blocks(n).unwrap();
+        cache(&mut p, &blocks, &hashes[..n], 0, 0);
+        if dup && n > 0 {
+            let again = p.get_new_blocks(n).unwrap();
+            cache(&mut p, &again, &hashes[..n], 0, 0);
+        }
+        let ids: Vec<i64> = evict.iter().filter(|&&i| i < n).map(|&i| i64::from(blocks[i])).collect();
+        p.evict_blocks(&ids).unwrap();
+        let mut want = Vec::new();
+        for hash in &hashes[..len] {
+            match p.get_one_block(&BlockKey::new(*hash, 0)) {
+                Some(b) => want.push(b),
+                None => break,
+            }
+        }
+        prop_assert_eq!(p.longest_cached_prefix(hashes[..len].iter().copied(), &[0]), vec![want]);
+        prop_assert!(p.check_invariants().is_ok());
+    }
+}
