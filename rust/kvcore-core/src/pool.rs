@@ -40,6 +40,9 @@ const NIL: u32 = u32::MAX;
 /// Largest pool: pair ids (block ids, then alias records) must stay below `u32::MAX`.
 const MAX_BLOCKS: i64 = 1 << 31;
 
+/// How many operations ahead a batch of index operations prefetches.
+const PREFETCH_AHEAD: usize = 8;
+
 /// An alias key of a block (SPEC MAP-6); its pair id is `num_blocks + record index`.
 #[derive(Debug, Clone, Copy)]
 struct Alias {
@@ -407,24 +410,32 @@ impl BlockPool {
         }
     }
 
-    /// Starts loading the index lines of `keys`, so that the cache misses of a batch of index
-    /// operations overlap instead of stalling one after another.
-    fn warm_index<'k>(&self, keys: impl Iterator<Item = &'k BlockKey>) {
-        for k in keys {
-            self.index.prefetch(mix(k));
-        }
-    }
-
-    /// [`Self::warm_index`] for the primary keys of the first `n` queued blocks (the ones
-    /// `get_new_blocks` evicts next).
-    fn warm_evictions(&self, n: usize) {
+    /// The mixed hashes of the primary keys of the first `n` queued blocks (the ones
+    /// `get_new_blocks` evicts next; 0 for a block without a key). Their loads are independent
+    /// of the queue walk, so they overlap.
+    fn eviction_mixes(&self, n: usize) -> Vec<u64> {
+        let mut out = Vec::with_capacity(n);
         let mut b = self.nodes[self.num_blocks].next;
         for _ in 0..n {
             let slot = self.nodes[b as usize].primary_slot;
-            if slot != NIL {
-                self.index.prefetch(mix(&self.primaries[slot as usize].key));
-            }
+            out.push(self.primaries.get(slot as usize).map_or(0, |p| mix(&p.key)));
             b = self.nodes[b as usize].next;
+        }
+        out
+    }
+
+    /// Prefetches the index line of `mixes[i + PREFETCH_AHEAD]` (and, at `i == 0`, of the
+    /// ones before it): a sliding window keeps a few misses in flight while each operation
+    /// finds its own line cached. A wrong or stale hash only wastes the prefetch.
+    #[inline]
+    fn prefetch_window(&self, mixes: &[u64], i: usize) {
+        if i == 0 {
+            for &m in mixes.iter().take(PREFETCH_AHEAD) {
+                self.index.prefetch(m);
+            }
+        }
+        if let Some(&m) = mixes.get(i + PREFETCH_AHEAD) {
+            self.index.prefetch(m);
         }
     }
 
@@ -575,10 +586,13 @@ impl BlockPool {
         }
         out.reserve(n);
         let head = self.num_blocks as u32;
-        if self.enable_caching && n > 1 {
-            self.warm_evictions(n);
-        }
-        for _ in 0..n {
+        let mixes = if self.enable_caching && n > 1 {
+            self.eviction_mixes(n)
+        } else {
+            Vec::new()
+        };
+        for i in 0..n {
+            self.prefetch_window(&mixes, i);
             let b = self.nodes[head as usize].next;
             self.unlink(b);
             if self.enable_caching {
@@ -793,10 +807,13 @@ impl BlockPool {
         } else {
             None
         };
-        if stored.len() > 1 {
-            self.warm_index(stored.iter().map(|s| &s.2));
-        }
-        for &(_, blk, key, covered) in &stored {
+        let mixes: Vec<u64> = if stored.len() > 1 {
+            stored.iter().map(|s| mix(&s.2)).collect()
+        } else {
+            Vec::new()
+        };
+        for (i, &(_, blk, key, covered)) in stored.iter().enumerate() {
+            self.prefetch_window(&mixes, i);
             if self.has_hash(blk) {
                 self.remove_keys(blk);
             }
