@@ -216,3 +216,39 @@ def test_one_request_object_across_managers_frees_and_renames() -> None:
     assert m1.get_block_ids("x") == x_table and m1.get_block_ids("renamed")[0]
     _pool(m1).check_invariants()
     _pool(m2).check_invariants()
+
+
+class _Tagged(Request):
+    """A Python subclass of Request: still read natively."""
+
+
+def test_batch_mixes_request_classes() -> None:
+    """Requests of two classes in one batch, the subclass first (the manager remembers the
+    first class it recognises): the same blocks as per-request calls, step after step."""
+    hasher = _hasher()
+    batch_mgr, loop_mgr = _manager("native", 200), _manager("native", 200)
+    pairs: list[tuple[Request, Request]] = []
+    for i in range(8):
+        cls = _Tagged if i % 2 == 0 else Request
+        prompt = [i + 1] * (5 + 9 * i)
+        pair = (
+            cls(f"r{i}", prompt, block_hasher=hasher),
+            cls(f"r{i}", prompt, block_hasher=hasher),
+        )
+        for mgr, req in zip((batch_mgr, loop_mgr), pair, strict=True):
+            assert mgr.allocate_slots(req, req.num_tokens) is not None
+            req.num_computed_tokens = req.num_tokens
+            req.status = RequestStatus.RUNNING
+        pairs.append(pair)
+    for step in range(40):
+        for pair in pairs:
+            for req in pair:
+                req.append_output_token_ids(step + 1)
+        got = batch_mgr.allocate_slots_batch([p[0] for p in pairs], [1] * len(pairs))
+        want = [loop_mgr.allocate_slots(p[1], 1) for p in pairs]
+        assert got == [w.get_block_ids() for w in want if w is not None]
+        for pair in pairs:
+            for req in pair:
+                req.num_computed_tokens += 1
+        assert _state(batch_mgr) == _state(loop_mgr), f"step {step}"
+    _pool(batch_mgr).check_invariants()

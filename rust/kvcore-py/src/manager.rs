@@ -13,7 +13,7 @@ use pyo3::types::{PyList, PyString, PyTuple};
 
 use crate::errors::{invalid, Error};
 use crate::pool::{cached_prefix, stored_meta, to_hash, PyBlockPool};
-use crate::request::{prefetch_ahead, PyRequestCore};
+use crate::request::{prefetch_ahead, CoreCast};
 
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
 const WAITING: i64 = 1;
@@ -33,6 +33,8 @@ pub struct PyUnitaryFullAttention {
     /// The manager's shared empty result and its `.blocks` tuple (ALLOC-8's identity test).
     empty: PyObject,
     empty_blocks: PyObject,
+    /// Recognises kvcore requests without pyo3's per-call type check.
+    cast: CoreCast,
 }
 
 impl PyUnitaryFullAttention {
@@ -47,14 +49,14 @@ impl PyUnitaryFullAttention {
 
     /// One allocation (SPEC ALLOC-1..12) with parsed arguments: the new block ids, or `None`
     /// when the request does not fit.
-    fn allocate_inner(
+    fn allocate_inner<'py>(
         &mut self,
-        py: Python<'_>,
-        request: &Bound<'_, PyAny>,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
         args: AllocateArgs<'_>,
     ) -> PyResult<Option<Vec<BlockId>>> {
         // A kvcore Request keeps these four fields in its native base: read them directly.
-        let core = PyRequestCore::borrow_of(request)?;
+        let core = self.cast.borrow(request)?;
         let id_obj;
         let (id, num_tokens, num_computed, status) = if let Some(c) = &core {
             (
@@ -180,6 +182,7 @@ impl PyUnitaryFullAttention {
             blocks_cls,
             empty,
             empty_blocks,
+            cast: CoreCast::default(),
         })
     }
 
@@ -198,7 +201,7 @@ impl PyUnitaryFullAttention {
             return Ok((self.empty.clone_ref(py), 0));
         }
         let bs = self.core.tables.block_size();
-        let core = PyRequestCore::borrow_of(request)?;
+        let core = self.cast.borrow(request)?;
         let mirror = core.as_ref().and_then(|c| c.mirrored_hashes(py));
         let mut hit = match (&core, mirror) {
             (Some(c), Some(m)) => {
@@ -315,7 +318,9 @@ impl PyUnitaryFullAttention {
         for (i, (request, n)) in requests.try_iter()?.zip(counts).enumerate() {
             if let Some(list) = list {
                 let tables = &self.core.tables;
-                prefetch_ahead(list, i, |c| tables.prefetch_slot(c.table_hint.get()));
+                prefetch_ahead(list, i, &self.cast, |c| {
+                    tables.prefetch_slot(c.table_hint.get());
+                });
             }
             let args = AllocateArgs {
                 num_new_tokens: n,

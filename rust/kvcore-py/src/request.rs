@@ -7,6 +7,7 @@
 //! reads token ids from a native buffer instead of Python ints.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 use kvcore_core::full_attention::SlotHint;
 use kvcore_core::hash::BlockHash;
@@ -254,18 +255,52 @@ impl PyRequestCore {
     }
 }
 
-impl PyRequestCore {
-    /// A shared borrow of `request`'s native state when it is a kvcore `Request`, else `None`
-    /// (a duck-typed request, read through attributes).
-    pub(crate) fn borrow_of<'py>(
-        request: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<PyRef<'py, Self>>> {
-        match request.downcast::<Self>() {
-            Ok(c) => Ok(Some(c.try_borrow()?)),
-            Err(_) => Ok(None),
+/// Downcasts to [`PyRequestCore`], remembering the first class that passed: the requests a
+/// manager sees share one class, whose check (pyo3's lazy type object, then the subclass
+/// walk) otherwise costs as much as the work of a decode step.
+#[derive(Default)]
+pub(crate) struct CoreCast {
+    /// A class already checked to be `RequestCore` or a subclass. Held strongly, so that its
+    /// address can name no other class while it is remembered.
+    verified: OnceLock<Py<PyType>>,
+}
+
+impl CoreCast {
+    /// `obj` as a `RequestCore`, or `None` for any other object.
+    #[inline]
+    pub(crate) fn cast<'a, 'py>(
+        &self,
+        obj: &'a Bound<'py, PyAny>,
+    ) -> Option<&'a Bound<'py, PyRequestCore>> {
+        if let Some(t) = self.verified.get() {
+            if std::ptr::eq(obj.get_type_ptr(), t.as_ptr().cast()) {
+                #[allow(unsafe_code)]
+                // SAFETY: `obj`'s class is `verified`, which passed `downcast::<PyRequestCore>`
+                // below (it is `RequestCore` or a subclass) and is kept alive by this cache,
+                // so its address cannot have been reused by another class: `obj` has
+                // `PyRequestCore`'s layout, which is all `downcast_unchecked` requires.
+                return Some(unsafe { obj.downcast_unchecked::<PyRequestCore>() });
+            }
         }
+        let core = obj.downcast::<PyRequestCore>().ok()?;
+        let _ = self.verified.set(obj.get_type().unbind());
+        Some(core)
     }
 
+    /// A shared borrow of `request`'s native state when it is a kvcore `Request`, else `None`
+    /// (a duck-typed request, read through attributes).
+    pub(crate) fn borrow<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<PyRef<'py, PyRequestCore>>> {
+        match self.cast(request) {
+            Some(c) => Ok(Some(c.try_borrow()?)),
+            None => Ok(None),
+        }
+    }
+}
+
+impl PyRequestCore {
     /// The block hashes as native values, when the mirror matches the `block_hashes` list.
     pub(crate) fn mirrored_hashes(&self, py: Python<'_>) -> Option<&[BlockHash]> {
         let list = self.block_hashes.bind(py).downcast::<PyList>().ok()?;
@@ -406,26 +441,27 @@ pub fn append_output_token_ids_batch(
     let mut last_type: Option<Bound<'_, PyType>> = None;
     let mut last_native = false;
     let list = requests.downcast_exact::<PyList>().ok();
+    let cast = CoreCast::default();
     for (i, (request, tokens)) in requests.try_iter()?.zip(token_ids.try_iter()?).enumerate() {
         if let Some(list) = list {
-            prefetch_ahead(list, i, |core| core.prefetch_token_tail());
+            prefetch_ahead(list, i, &cast, |core| core.prefetch_token_tail());
         }
         let (request, tokens) = (request?, tokens?);
-        let ty = request.get_type();
         let native = match &last_type {
-            Some(t) if t.is(&ty) => last_native,
+            Some(t) if std::ptr::eq(t.as_type_ptr(), request.get_type_ptr()) => last_native,
             _ => {
-                let native =
-                    request.downcast::<PyRequestCore>().is_ok() && ty.getattr(name)?.is(&base);
+                let ty = request.get_type();
+                let native = cast.cast(&request).is_some() && ty.getattr(name)?.is(&base);
                 last_type = Some(ty);
                 last_native = native;
                 native
             }
         };
-        if native {
-            PyRequestCore::append_one(request.downcast::<PyRequestCore>()?, &tokens)?;
-        } else {
-            request.call_method1(name, (tokens,))?;
+        match cast.cast(&request) {
+            Some(core) if native => PyRequestCore::append_one(core, &tokens)?,
+            _ => {
+                request.call_method1(name, (tokens,))?;
+            }
         }
     }
     Ok(())
@@ -444,6 +480,7 @@ const OBJECT_LINES: usize =
 pub(crate) fn prefetch_ahead(
     list: &Bound<'_, PyList>,
     i: usize,
+    cast: &CoreCast,
     second: impl FnOnce(&PyRequestCore),
 ) {
     let n = list.len();
@@ -453,7 +490,7 @@ pub(crate) fn prefetch_ahead(
     }
     if i + AHEAD / 2 < n {
         if let Ok(item) = list.get_item(i + AHEAD / 2) {
-            if let Ok(core) = item.downcast::<PyRequestCore>() {
+            if let Some(core) = cast.cast(&item) {
                 if let Ok(c) = core.try_borrow() {
                     second(&c);
                 }
