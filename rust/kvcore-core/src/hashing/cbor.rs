@@ -48,10 +48,51 @@ pub(crate) fn write_bytes(out: &mut Vec<u8>, data: &[u8]) {
 /// Writes an array of ints (the block's token ids).
 #[inline]
 pub(crate) fn write_int_array(out: &mut Vec<u8>, tokens: &[i64]) {
-    out.reserve(tokens.len() * 9 + 9);
     write_head(out, 4, tokens.len() as u64);
+    // Room for the longest form of every int, then one fixed-size store per token (no length
+    // or capacity check per byte), then cut to what was written.
+    let start = out.len();
+    out.resize(start + tokens.len() * 9, 0);
+    let mut pos = start;
     for &t in tokens {
-        write_int(out, t);
+        if let Some(slot) = out.get_mut(pos..pos + 9) {
+            if let Ok(slot) = <&mut [u8; 9]>::try_from(slot) {
+                pos += encode_int(slot, t);
+            }
+        }
+    }
+    out.truncate(pos);
+}
+
+/// Encodes an int (major type 0, or 1 with `-1 - v`) at the front of `dst`; returns its length.
+#[inline(always)]
+fn encode_int(dst: &mut [u8; 9], v: i64) -> usize {
+    let (m, n) = if v >= 0 {
+        (0u8, v as u64)
+    } else {
+        (1 << 5, !v as u64)
+    };
+    if n < 24 {
+        dst[0] = m | n as u8;
+        1
+    } else if n <= 0xff {
+        dst[0] = m | 24;
+        dst[1] = n as u8;
+        2
+    } else if n <= 0xffff {
+        let b = (n as u16).to_be_bytes();
+        dst[0] = m | 25;
+        dst[1] = b[0];
+        dst[2] = b[1];
+        3
+    } else if n <= 0xffff_ffff {
+        dst[0] = m | 26;
+        dst[1..5].copy_from_slice(&(n as u32).to_be_bytes());
+        5
+    } else {
+        dst[0] = m | 27;
+        dst[1..9].copy_from_slice(&n.to_be_bytes());
+        9
     }
 }
 
@@ -97,6 +138,41 @@ mod tests {
             enc(&Value::Int(i64::MIN)),
             [0x3b, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]
         );
+    }
+
+    #[test]
+    fn int_arrays_match_the_value_encoder_at_every_boundary() {
+        let edges = [
+            0,
+            23,
+            24,
+            255,
+            256,
+            65535,
+            65536,
+            0xffff_ffff,
+            1 << 32,
+            i64::MAX,
+            -1,
+            -24,
+            -25,
+            -256,
+            -257,
+            -65536,
+            -65537,
+            -(1 << 32),
+            -(1 << 32) - 1,
+            i64::MIN,
+        ];
+        for len in [0, 1, 16, edges.len()] {
+            let tokens: Vec<i64> = edges.iter().copied().cycle().take(len).collect();
+            let mut fast = vec![0xaa];
+            write_int_array(&mut fast, &tokens);
+            let tuple = Value::Tuple(tokens.iter().map(|&t| Value::Int(t)).collect());
+            let mut want = vec![0xaa];
+            write_value(&mut want, &tuple);
+            assert_eq!(fast, want, "{tokens:?}");
+        }
     }
 
     #[test]
