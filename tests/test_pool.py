@@ -1719,3 +1719,9 @@ def test_lookups_helper_reads_every_key() -> None:
     s = busy()
     found = lookups(s.pool, s.keys)
     assert sum(v is not None for v in found.values()) == 7
+
+
+def test_pool_size_limit_is_a_clear_error() -> None:
+    """POOL-1: a pool above 2**31 blocks is refused with a ValueError naming the limit."""
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        BlockPool(2**31 + 1, True, 16, False)

@@ -6,7 +6,8 @@ use std::fmt;
 /// bindings (see `kvcore-py/src/errors.rs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PoolError {
-    /// `num_gpu_blocks` was not positive (SPEC POOL-1).
+    /// `num_gpu_blocks` was not positive (SPEC POOL-1), or above 2^31 (block ids stay below
+    /// `u32::MAX` with room for alias records).
     InvalidPoolSize(i64),
     /// A block id outside `0..num_blocks`.
     BlockOutOfRange {
@@ -69,7 +70,9 @@ pub enum PoolError {
 impl fmt::Display for PoolError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::InvalidPoolSize(n) => write!(f, "num_gpu_blocks must be a positive int, got {n}"),
+            Self::InvalidPoolSize(n) => {
+                write!(f, "num_gpu_blocks must be between 1 and 2**31, got {n}")
+            }
             Self::BlockOutOfRange {
                 block_id,
                 num_blocks,
