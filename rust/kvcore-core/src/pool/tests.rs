@@ -456,3 +456,24 @@ proptest! {
         prop_assert!(p.check_invariants().is_ok());
     }
 }
+
+#[test]
+fn map_1_duplicates_listed_in_insertion_order() {
+    let mut p = pool(8);
+    let key = BlockKey::new(h(1), 0);
+    let a = p.get_new_blocks(1).unwrap();
+    cache(&mut p, &a, &[h(1)], 0, 0);
+    let b = p.get_new_blocks(1).unwrap();
+    cache(&mut p, &b, &[h(1)], 0, 0);
+    assert_eq!(p.blocks_of(&key), vec![a[0], b[0]]);
+    assert_eq!(p.num_cached_keys(), 1);
+    p.evict_blocks(&[i64::from(a[0])]).unwrap();
+    assert_eq!(p.blocks_of(&key), vec![b[0]]);
+    assert_eq!(p.get_one_block(&key), Some(b[0]));
+    cache(&mut p, &a, &[h(1)], 0, 0);
+    assert_eq!(p.blocks_of(&key), vec![b[0], a[0]]);
+    assert!(p.contains(&key, a[0]) && p.contains(&key, b[0]));
+    p.evict_blocks(&[i64::from(a[0]), i64::from(b[0])]).unwrap();
+    assert_eq!((p.blocks_of(&key), p.num_cached_keys()), (vec![], 0));
+    assert!(p.check_invariants().is_ok());
+}
