@@ -92,7 +92,7 @@ pub struct BlockPool {
     index: PrefixIndex,
     /// Alias records (a slab: `free_aliases` lists the vacant ones) and each block's, oldest
     /// first.
-    alias_records: Vec<Alias>,
+    alias_records: HugeVec<Alias>,
     free_aliases: Vec<u32>,
     aliases: HashMap<BlockId, Vec<u32>>,
     events: Vec<KvEvent>,
@@ -151,7 +151,7 @@ impl BlockPool {
             primaries: HugeVec::new_in(HugePages),
             free_slots: Vec::new(),
             index: PrefixIndex::new(),
-            alias_records: Vec::new(),
+            alias_records: HugeVec::new_in(HugePages),
             free_aliases: Vec::new(),
             aliases: HashMap::new(),
             events: Vec::new(),
@@ -440,17 +440,11 @@ impl BlockPool {
     }
 
     fn set_primary(&mut self, block: BlockId, key: BlockKey, num_tokens: u32) {
-        let p = Primary { key, num_tokens };
-        let slot = match self.free_slots.pop() {
-            Some(s) => {
-                self.primaries[s as usize] = p;
-                s
-            }
-            None => {
-                self.primaries.push(p);
-                (self.primaries.len() - 1) as u32
-            }
-        };
+        let slot = slab_put(
+            &mut self.primaries,
+            &mut self.free_slots,
+            Primary { key, num_tokens },
+        );
         self.nodes[block as usize].primary_slot = slot;
     }
 
@@ -467,17 +461,11 @@ impl BlockPool {
             return;
         }
         let pair = if self.has_hash(block) {
-            let record = Alias { key, block };
-            let a = match self.free_aliases.pop() {
-                Some(a) => {
-                    self.alias_records[a as usize] = record;
-                    a
-                }
-                None => {
-                    self.alias_records.push(record);
-                    (self.alias_records.len() - 1) as u32
-                }
-            };
+            let a = slab_put(
+                &mut self.alias_records,
+                &mut self.free_aliases,
+                Alias { key, block },
+            );
             self.aliases.entry(block).or_default().push(a);
             // Below u32::MAX: at most 2^31 blocks and fewer than 2^31 live aliases (each
             // takes 44 bytes).
@@ -514,13 +502,13 @@ impl BlockPool {
             .flatten()
             .map(|&a| (n + a, self.alias_records[a as usize].key))
             .collect::<Vec<_>>();
+        let keys = PairKeys::split(
+            &self.nodes,
+            &self.primaries,
+            &self.alias_records,
+            self.num_blocks,
+        );
         for (pair, key) in primary.into_iter().chain(alias_pairs) {
-            let keys = PairKeys::split(
-                &self.nodes,
-                &self.primaries,
-                &self.alias_records,
-                self.num_blocks,
-            );
             if self.index.remove(mix(&key), pair, |p| keys.is(p, &key)) && self.events_enabled {
                 self.events.push(KvEvent::BlockRemoved {
                     block_hash: key.hash,
@@ -1100,6 +1088,20 @@ impl BlockPool {
             return Err("alias records out of balance".into());
         }
         Ok(())
+    }
+}
+
+/// Stores `value` in a slab (`vacant` lists its free slots) and returns its slot.
+fn slab_put<T>(items: &mut HugeVec<T>, vacant: &mut Vec<u32>, value: T) -> u32 {
+    match vacant.pop() {
+        Some(slot) => {
+            items[slot as usize] = value;
+            slot
+        }
+        None => {
+            items.push(value);
+            (items.len() - 1) as u32
+        }
     }
 }
 

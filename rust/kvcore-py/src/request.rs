@@ -25,8 +25,9 @@ use crate::pool::to_hash;
 
 /// Native base of `kvcore.request.Request`; see the module docs.
 ///
-/// `repr(C)` with the fields every step reads first, so that a step touches the object's first
-/// two cache lines (the batch calls prefetch exactly those).
+/// `repr(C)` with the fields every step reads first, so that a step's reads share the object's
+/// first cache lines (the batch calls prefetch the whole object, for pyo3's borrow flag after
+/// the struct).
 #[pyclass(module = "kvcore._native", name = "RequestCore", subclass, weakref)]
 #[repr(C)]
 pub struct PyRequestCore {
@@ -457,9 +458,9 @@ pub fn append_output_token_ids_batch(
                 native
             }
         };
-        match cast.cast(&request) {
-            Some(core) if native => PyRequestCore::append_one(core, &tokens)?,
-            _ => {
+        match cast.cast(&request).filter(|_| native) {
+            Some(core) => PyRequestCore::append_one(core, &tokens)?,
+            None => {
                 request.call_method1(name, (tokens,))?;
             }
         }

@@ -109,6 +109,12 @@ impl PrefixIndex {
         ((slot & 0xFFFF_FFFF) - 1) as u32
     }
 
+    /// Whether occupied slot `s` holds a pair of the key with tag `tag` (`is_key` confirms).
+    #[inline]
+    fn of_key(s: u64, tag: u64, is_key: &impl Fn(u32) -> bool) -> bool {
+        s >> 32 == tag && is_key(Self::pair_in(s))
+    }
+
     /// Starts loading the line where the key with mixed hash `h` begins its probe.
     #[inline]
     pub(crate) fn prefetch(&self, h: u64) {
@@ -126,7 +132,7 @@ impl PrefixIndex {
             if s == EMPTY {
                 return None;
             }
-            if s >> 32 == tag && is_key(Self::pair_in(s)) {
+            if Self::of_key(s, tag, &is_key) {
                 return Some(Self::pair_in(s));
             }
             i = (i + 1) & mask;
@@ -158,7 +164,7 @@ impl PrefixIndex {
         let mut i = self.home(h);
         while self.slots[i] != EMPTY {
             let s = self.slots[i];
-            if s >> 32 == tag && is_key(Self::pair_in(s)) {
+            if Self::of_key(s, tag, &is_key) {
                 out.push(Self::pair_in(s));
             }
             i = (i + 1) & mask;
@@ -180,9 +186,7 @@ impl PrefixIndex {
             if s == EMPTY {
                 break;
             }
-            if !key_seen && s >> 32 == tag && is_key(Self::pair_in(s)) {
-                key_seen = true;
-            }
+            key_seen = key_seen || Self::of_key(s, tag, &is_key);
             i = (i + 1) & mask;
         }
         self.slots[i] = Self::slot_of(h, pair);
@@ -205,9 +209,7 @@ impl PrefixIndex {
             if s == want {
                 break;
             }
-            if !others && s >> 32 == tag && is_key(Self::pair_in(s)) {
-                others = true;
-            }
+            others = others || Self::of_key(s, tag, &is_key);
             i = (i + 1) & mask;
         }
         // Backward shift: move each later pair of the run into the hole unless its home lies
@@ -219,9 +221,7 @@ impl PrefixIndex {
             if s == EMPTY {
                 break;
             }
-            if !others && s >> 32 == tag && is_key(Self::pair_in(s)) {
-                others = true;
-            }
+            others = others || Self::of_key(s, tag, &is_key);
             let home = self.home(s);
             let stays = if hole <= j {
                 hole < home && home <= j
