@@ -5,6 +5,8 @@ manager objects, so a scheduler process can use kvcore without torch. `kvcore_ke
 holds plain-torch versions of every kernel.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from kvcore_kernels.attention import AttentionConfig, paged_attention
 from kvcore_kernels.cache import reshape_and_cache
 from kvcore_kernels.metadata import (
@@ -28,4 +30,7 @@ __all__ = [
     "slot_mapping_tensor",
 ]
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("kvcore-kernels")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
