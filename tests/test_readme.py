@@ -8,6 +8,10 @@ from pathlib import Path
 
 from readme_example import readme_example, run_example
 
+from kvcore.blocks import KVCacheBlocks
+from kvcore.manager import KVCacheManager
+from kvcore.request import Request
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -22,12 +26,9 @@ def test_readme_example_runs_and_allocates() -> None:
     printed = out.getvalue()
     # 100 tokens in 16-token blocks: 7 blocks, ids printed as one group's tuple.
     assert "BlockStored" in printed
-    from kvcore.manager import KVCacheManager
-    from kvcore.request import Request
-
     assert isinstance(mgr, KVCacheManager) and isinstance(req, Request)
     new = ns["new"]
-    assert new is not None
+    assert isinstance(new, KVCacheBlocks)
     (ids,) = new.get_block_ids()
     assert len(ids) == 7
     # The example ends by freeing the request: every block is back in the pool.
