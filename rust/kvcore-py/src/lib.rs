@@ -1,7 +1,12 @@
 //! PyO3 bindings of `kvcore-core`, compiled as the private module `kvcore._native`.
 //!
-//! Every `#[pymethods]` body here converts arguments, calls the core and converts results; the
-//! algorithms live in `kvcore-core`. The module's whole Python surface is the declarative
+//! Most `#[pymethods]` bodies convert arguments, call the core and convert results, and
+//! `errors.rs` is the one place core errors become Python exceptions. Some glue lives here and
+//! not in the core today: reading the fields of a Python request object (`request.rs`, and the
+//! duck-typed path of `manager.rs`), the request block hasher's window and parent handling and
+//! the choice between native and Python serialisation of hash inputs (`hashing.rs`), the
+//! conversion of core events into Python event objects (`events.rs`) and the msgpack walk over
+//! Python event objects (`msgpack.rs`). The module's whole Python surface is the declarative
 //! `#[pymodule]` below and its stub `python/kvcore/_native.pyi`.
 
 use pyo3::prelude::*;
