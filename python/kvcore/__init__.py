@@ -1,7 +1,9 @@
 """kvcore: a fast KV-cache block manager for LLM serving.
 
 The block pool and block hashing live in a Rust core (``kvcore._native``); the request-facing
-manager, coordinators, specs and requests are Python modules of this package.
+manager, coordinators, specs and requests are Python modules of this package (a model whose
+only KV-cache group is full attention is managed in Rust too). The behaviour, rule by rule, is
+specified in the repository's ``docs/behaviour.md``, which docstrings cite as "SPEC".
 """
 
 from kvcore._native import (
