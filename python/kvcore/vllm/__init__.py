@@ -1,0 +1,18 @@
+"""kvcore inside vLLM 0.25.1: a drop-in KV cache manager and scheduler classes.
+
+``vllm serve MODEL --scheduler-cls kvcore.vllm.Scheduler`` (or ``kvcore.vllm.AsyncScheduler``)
+runs vLLM's own scheduler with kvcore's KV cache manager. This module imports vLLM; the rest of
+kvcore never does.
+"""
+
+from kvcore.vllm._convert import convert_kv_cache_config, convert_spec
+from kvcore.vllm.manager import KVCacheManager
+from kvcore.vllm.scheduler import AsyncScheduler, Scheduler
+
+__all__ = [
+    "AsyncScheduler",
+    "KVCacheManager",
+    "Scheduler",
+    "convert_kv_cache_config",
+    "convert_spec",
+]

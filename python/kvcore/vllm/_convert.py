@@ -1,0 +1,132 @@
+"""Conversions between vLLM 0.25.1's objects and kvcore's, at the edge of the adapter.
+
+kvcore's specs, config classes and events have the reference's names and fields, so each
+conversion is a field-by-field copy chosen by class name; a vLLM class kvcore has no counterpart
+for raises instead of being approximated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvcore import specs as kv_specs
+from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.errors import InvalidConfigError
+from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvcore.manager import PrefixCacheStats
+
+
+def convert_spec(spec: Any) -> kv_specs.KVCacheSpec:
+    """kvcore's spec for a ``vllm.v1.kv_cache_interface`` spec (kvcore's own pass through).
+
+    Args:
+        spec: A vLLM (or kvcore) KV cache spec.
+
+    Returns:
+        The kvcore spec of the same class name, with the same field values.
+
+    Raises:
+        InvalidConfigError: kvcore has no spec of that class.
+    """
+    if isinstance(spec, kv_specs.KVCacheSpec):
+        return spec
+    name = type(spec).__name__
+    cls = getattr(kv_specs, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, kv_specs.KVCacheSpec)):
+        raise InvalidConfigError(f"kvcore has no KV cache spec for vLLM's {name}")
+    if name == "UniformTypeKVCacheSpecs":
+        return kv_specs.UniformTypeKVCacheSpecs(
+            block_size=spec.block_size,
+            kv_cache_specs={k: convert_spec(v) for k, v in spec.kv_cache_specs.items()},
+        )
+    wanted = {f.name for f in dataclasses.fields(cls) if f.init}
+    values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name in wanted}
+    return cls(**values)
+
+
+def convert_kv_cache_config(config: Any) -> KVCacheConfig:
+    """kvcore's ``KVCacheConfig`` for vLLM's (kvcore's own passes through unchanged).
+
+    Args:
+        config: A ``vllm.v1.kv_cache_interface.KVCacheConfig``.
+
+    Returns:
+        The same configuration in kvcore's classes.
+    """
+    if isinstance(config, KVCacheConfig):
+        return config
+    return KVCacheConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=t.size,
+                shared_by=list(t.shared_by),
+                offset=getattr(t, "offset", 0),
+                block_stride=getattr(t, "block_stride", 0),
+            )
+            for t in config.kv_cache_tensors
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                list(g.layer_names),
+                convert_spec(g.kv_cache_spec),
+                bool(getattr(g, "is_eagle_group", False)),
+            )
+            for g in config.kv_cache_groups
+        ],
+    )
+
+
+def vllm_events(events: list[KVCacheEvent]) -> list[Any]:
+    """vLLM's ``vllm.distributed.kv_events`` objects for kvcore's events (same field values).
+
+    vLLM's publisher encodes its own msgspec structs only; the copies encode to the bytes vLLM's
+    own manager's events would.
+    """
+    from vllm.distributed import kv_events as v
+
+    out: list[Any] = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            out.append(
+                v.BlockStored(
+                    block_hashes=list(e.block_hashes),
+                    parent_block_hash=e.parent_block_hash,
+                    token_ids=list(e.token_ids),
+                    block_size=e.block_size,
+                    lora_id=e.lora_id,
+                    medium=e.medium,
+                    lora_name=e.lora_name,
+                    extra_keys=e.extra_keys,
+                    group_idx=e.group_idx,
+                    kv_cache_spec_kind=e.kv_cache_spec_kind,
+                    kv_cache_spec_sliding_window=e.kv_cache_spec_sliding_window,
+                )
+            )
+        elif isinstance(e, BlockRemoved):
+            out.append(
+                v.BlockRemoved(
+                    block_hashes=list(e.block_hashes), medium=e.medium, group_idx=e.group_idx
+                )
+            )
+        elif isinstance(e, AllBlocksCleared):
+            out.append(v.AllBlocksCleared())
+        else:  # pragma: no cover - the pool emits only the three kinds
+            raise TypeError(f"unknown KV event {type(e).__name__}")
+    return out
+
+
+def vllm_prefix_cache_stats(stats: PrefixCacheStats) -> Any:
+    """vLLM's ``PrefixCacheStats`` with kvcore's counts."""
+    from vllm.v1.metrics.stats import PrefixCacheStats as VllmPrefixCacheStats
+
+    return VllmPrefixCacheStats(
+        reset=stats.reset,
+        requests=stats.requests,
+        queries=stats.queries,
+        hits=stats.hits,
+        preempted_requests=stats.preempted_requests,
+        preempted_queries=stats.preempted_queries,
+        preempted_hits=stats.preempted_hits,
+    )

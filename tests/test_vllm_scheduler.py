@@ -1,0 +1,184 @@
+"""kvcore inside vLLM 0.25.1's own scheduler: ``kvcore.vllm`` against vLLM's manager.
+
+vLLM's real ``Scheduler`` / ``AsyncScheduler`` run a seeded workload on the CPU twice, once with
+vLLM's KV cache manager and once as ``kvcore.vllm.Scheduler`` (kvcore's manager); every step's
+``SchedulerOutput``, the encoded KV event batches and the prefix-cache stats must be identical.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler")
+
+import vllm_harness as h
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+import kvcore.vllm
+from kvcore.errors import InvalidConfigError
+
+
+def _reset_when_idle(sched: Any, step: int) -> None:
+    """Calls ``reset_prefix_cache()`` whenever nothing runs (it refuses while blocks are held)."""
+    if not sched.running:
+        sched.reset_prefix_cache()
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "full": {},
+    "full-no-caching": {"caching": False},
+    "full-preemption": {"num_blocks": 60},
+    "full-chunked-small-budget": {"max_num_batched_tokens": 64},
+    "full-block-32": {"block_size": 32, "num_blocks": 100},
+    "full-spec-decode": {"num_spec_tokens": 3},
+    "full-async": {"async_scheduling": True},
+    "full-async-preemption": {"async_scheduling": True, "num_blocks": 60},
+    "swa": {"model": "swa"},
+    "swa-no-caching": {"model": "swa", "caching": False},
+    "swa-preemption": {"model": "swa", "num_blocks": 80},
+    "swa-spec-decode": {"model": "swa", "num_spec_tokens": 2},
+    "mamba": {"model": "mamba"},
+    "mamba-align": {"model": "mamba", "mamba_mode": "align"},
+    "mamba-all": {"model": "mamba", "mamba_mode": "all"},
+}
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_scheduler_outputs_identical(case: str) -> None:
+    """Every step's output, the event bytes and the stats match vLLM's own manager."""
+    setup = h.Setup(**CASES[case])
+    workload = h.Workload(seed=sum(map(ord, case)))
+    if setup.async_scheduling:
+        ref_cls, kv_cls = VllmAsyncScheduler, kvcore.vllm.AsyncScheduler
+    else:
+        ref_cls, kv_cls = VllmScheduler, kvcore.vllm.Scheduler
+    ref = h.run(ref_cls, setup, workload, on_step=_reset_when_idle)
+    ours = h.run(kv_cls, setup, workload, on_step=_reset_when_idle)
+    assert ours.steps == ref.steps
+    for step, (a, b) in enumerate(zip(ref.outputs, ours.outputs, strict=True)):
+        assert b == a, f"{case}: SchedulerOutput differs at step {step}"
+    assert ours.events == ref.events
+    assert ours.stats == ref.stats
+    # The workload exercised what the case is about.
+    assert any(o["new"] for o in ref.outputs)
+    if setup.caching:
+        assert sum(s[1]["hits"] for s in ref.stats if s) > 0
+        assert any(s[1]["reset"] for s in ref.stats if s), "no reset_prefix_cache succeeded"
+        assert ref.events
+    if setup.num_blocks <= 80:
+        assert any(o["preempted"] for o in ref.outputs), "no preemption happened"
+    if setup.num_spec_tokens:
+        assert any(o["spec"] for o in ref.outputs)
+
+
+@pytest.mark.reference
+def test_scheduler_uses_kvcore_manager() -> None:
+    """The scheduler class really runs kvcore's manager, on the Rust path for full attention."""
+    setup = h.Setup()
+    seen: list[Any] = []
+    h.run(
+        kvcore.vllm.Scheduler,
+        setup,
+        h.Workload(num_requests=3),
+        on_step=lambda s, _: seen.append(s.kv_cache_manager),
+    )
+    mgr = seen[0]
+    assert isinstance(mgr, kvcore.vllm.KVCacheManager)
+    assert mgr._native is not None
+    # The coordinator under the Rust path holds no request: it refuses per-request questions
+    # instead of answering them wrongly.
+    with pytest.raises(NotImplementedError, match="get_num_blocks_to_allocate"):
+        mgr.coordinator.get_num_blocks_to_allocate(
+            request_id="req-0",
+            num_tokens=10,
+            new_computed_blocks=mgr.empty_kv_cache_blocks.blocks,
+            num_encoder_tokens=0,
+            total_computed_tokens=0,
+            num_tokens_main_model=10,
+            apply_admission_cap=True,
+        )
+    assert mgr.coordinator.block_pool is mgr.block_pool
+
+
+def _params(fn: Any) -> list[tuple[str, Any, Any]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_drift_public_methods_match_vllm() -> None:
+    """Every public method of vLLM's manager exists on kvcore's with the same parameters.
+
+    Names, kinds and defaults must be identical; annotations name each project's own classes.
+    """
+    public = [
+        n
+        for n, _ in inspect.getmembers(VllmKVCacheManager)
+        if not n.startswith("_") or n == "__init__"
+    ]
+    assert "allocate_slots" in public and "__init__" in public
+    for name in public:
+        ref = getattr(VllmKVCacheManager, name)
+        ours = getattr(kvcore.vllm.KVCacheManager, name, None)
+        assert ours is not None, f"kvcore.vllm.KVCacheManager has no {name}"
+        if isinstance(ref, property):
+            assert isinstance(ours, property), name
+        elif callable(ref):
+            assert _params(ours) == _params(ref), name
+
+
+@pytest.mark.reference
+def test_instance_attributes_match_vllm() -> None:
+    """The attributes vLLM's scheduler and connectors read exist on kvcore's manager."""
+    setup = h.Setup(model="swa")
+    args: dict[str, Any] = {
+        "max_model_len": 2048,
+        "scheduler_block_size": 16,
+        "hash_block_size": 16,
+        "enable_caching": True,
+        "log_stats": True,
+        "enable_kv_cache_events": True,
+    }
+    ref = VllmKVCacheManager(h.kv_cache_config(setup), **args)
+    ours = kvcore.vllm.KVCacheManager(h.kv_cache_config(setup), **args)
+    public = {n for n in vars(ref) if not n.startswith("_")}
+    missing = sorted(n for n in public if not hasattr(ours, n))
+    assert not missing
+    assert type(ours.make_prefix_cache_stats()) is type(ref.make_prefix_cache_stats())
+
+
+def test_unknown_spec_and_metrics_collector_raise() -> None:
+    """What kvcore cannot do raises, never a silent approximation."""
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+    setup = h.Setup()
+    with pytest.raises(NotImplementedError, match="metrics"):
+        kvcore.vllm.KVCacheManager(
+            h.kv_cache_config(setup),
+            max_model_len=2048,
+            scheduler_block_size=16,
+            hash_block_size=16,
+            metrics_collector=KVCacheMetricsCollector(1.0),
+        )
+
+    class BespokeSpec:
+        block_size = 16
+
+    with pytest.raises(InvalidConfigError, match="BespokeSpec"):
+        kvcore.vllm.convert_spec(BespokeSpec())
+
+
+def test_kvcore_imports_without_vllm() -> None:
+    """``import kvcore`` and its manager never import vLLM."""
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import kvcore, kvcore.manager, kvcore.cli\n"
+        "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules if sys.modules[m])\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
