@@ -23,6 +23,13 @@ fn cdiv(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
 
+/// Whether `need` new blocks and `watermark` more fit in `free` blocks less `reserved`, in
+/// exact arithmetic whatever the inputs (the reference compares Python ints).
+#[inline]
+fn fits(need: usize, watermark: usize, free: usize, reserved: i64) -> bool {
+    need as i128 + watermark as i128 <= free as i128 - i128::from(reserved)
+}
+
 /// One request's state in a group: its blocks and, once it runs, how many leading blocks the
 /// cache has processed (`None` = not in `num_cached_block`).
 #[derive(Debug, Clone, Default)]
@@ -284,7 +291,8 @@ impl FullAttentionTables {
         if num_external == 0 {
             return Ok(());
         }
-        let want = cdiv(num_local + num_external, self.block_size);
+        // Saturating: a sum past usize::MAX needs more blocks than any pool has either way.
+        let want = cdiv(num_local.saturating_add(num_external), self.block_size);
         self.grow_to(pool, id, want)
     }
 
@@ -413,6 +421,78 @@ impl FullAttentionTables {
     pub fn request_ids(&self) -> impl Iterator<Item = &str> {
         self.index.keys().map(String::as_str)
     }
+
+    /// Checks the tables' bookkeeping and their blocks against `pool`:
+    /// - every id names a distinct slot holding an entry, and every other slot is vacant and
+    ///   listed once among the free slots;
+    /// - a running entry has processed no more blocks than it holds;
+    /// - every block id (tables and recorded new ids) lies in the pool, and each non-null
+    ///   block's reference count is at least its number of occurrences in the tables (each
+    ///   occurrence owns a reference; others may be held outside).
+    ///
+    /// # Errors
+    /// A message naming the first violation.
+    pub fn check_invariants(&self, pool: &BlockPool) -> Result<(), String> {
+        let n = self.slots.len();
+        let mut live = vec![false; n];
+        for (id, &slot) in &self.index {
+            let s = slot as usize;
+            if s >= n || self.slots[s].entry.is_none() {
+                return Err(format!(
+                    "request {id} maps to slot {slot}, which holds no entry"
+                ));
+            }
+            if std::mem::replace(&mut live[s], true) {
+                return Err(format!("slot {slot} is shared by two request ids"));
+            }
+        }
+        let mut vacant = vec![false; n];
+        for &slot in &self.free_slots {
+            let s = slot as usize;
+            if s >= n || live[s] || self.slots[s].entry.is_some() {
+                return Err(format!("free slot {slot} is in use or out of range"));
+            }
+            if std::mem::replace(&mut vacant[s], true) {
+                return Err(format!("slot {slot} is listed free twice"));
+            }
+        }
+        if let Some(s) = (0..n).find(|&s| !live[s] && !vacant[s]) {
+            return Err(format!("slot {s} is neither in use nor free"));
+        }
+        let mut owners = vec![0u64; pool.num_blocks()];
+        for (id, &slot) in &self.index {
+            let Some(e) = self.at(slot) else { continue };
+            if e.num_cached.is_some_and(|c| c > e.blocks.len()) {
+                return Err(format!(
+                    "request {id} has {:?} cached blocks but holds {}",
+                    e.num_cached,
+                    e.blocks.len()
+                ));
+            }
+            for &b in &e.blocks {
+                let Some(count) = owners.get_mut(b as usize) else {
+                    return Err(format!("request {id} holds block {b}, outside the pool"));
+                };
+                *count += 1;
+            }
+        }
+        if let Some(&b) = self
+            .new_block_ids
+            .iter()
+            .find(|&&b| b as usize >= pool.num_blocks())
+        {
+            return Err(format!("recorded new block {b} is outside the pool"));
+        }
+        for (b, &count) in owners.iter().enumerate().skip(1) {
+            let rc = pool.ref_cnt(b as BlockId);
+            if i64::from(rc) < count as i64 {
+                return Err(format!(
+                    "block {b} has reference count {rc} but {count} table entries"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What `allocate_slots` reads from the request (SPEC REQ-1).
@@ -495,6 +575,16 @@ impl UnitaryFullAttention {
         })
     }
 
+    /// Checks the tables ([`FullAttentionTables::check_invariants`]) and the pool
+    /// ([`BlockPool::check_invariants`]).
+    ///
+    /// # Errors
+    /// A message naming the first violation.
+    pub fn check_invariants(&self, pool: &BlockPool) -> Result<(), String> {
+        self.tables.check_invariants(pool)?;
+        pool.check_invariants()
+    }
+
     /// Whether hits drop their last block (SPEC EAGLE-1).
     pub fn use_eagle(&self) -> bool {
         self.use_eagle
@@ -530,7 +620,7 @@ impl UnitaryFullAttention {
         args: &AllocateArgs<'_>,
         total: usize,
         need_slot: usize,
-        wm: i64,
+        wm: usize,
         hashes: HashSource<'_, E>,
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<Option<Option<std::ops::Range<usize>>>, E> {
@@ -547,7 +637,7 @@ impl UnitaryFullAttention {
         };
         let have = e.blocks.len();
         let need = cdiv(need_slot, t.block_size).saturating_sub(have);
-        if need as i64 + wm > pool.get_num_free_blocks() as i64 - args.reserved_blocks {
+        if !fits(need, wm, pool.get_num_free_blocks(), args.reserved_blocks) {
             return Ok(Some(None));
         }
         if need > 0 {
@@ -559,7 +649,9 @@ impl UnitaryFullAttention {
         // Caching runs only when a block filled (rarely): the shared path's extra lookup is
         // not on the per-token path.
         if pool.enable_caching() && !args.delay_cache_blocks {
-            let n = (total + args.num_new_tokens).min(req.num_tokens);
+            let n = total
+                .saturating_add(args.num_new_tokens)
+                .min(req.num_tokens);
             if cached < n / t.block_size {
                 let slot = slot.expect("the entry was found above");
                 t.cache_blocks_at(pool, slot, req.id, n, hashes, meta)?;
@@ -590,25 +682,31 @@ impl UnitaryFullAttention {
             .into());
         }
         let hits = args.new_computed_blocks.unwrap_or(&[]);
-        let local = req.num_computed_tokens + args.num_new_computed_tokens;
-        let total = (local + ext).min(self.max_model_len);
+        // Token sums saturate: each is capped by `max_model_len` or `num_tokens` (at most
+        // usize::MAX), so the capped value is the exact one. Block counts compare exactly.
+        let local = req
+            .num_computed_tokens
+            .saturating_add(args.num_new_computed_tokens);
+        let total = local.saturating_add(ext).min(self.max_model_len);
         let wm = if args.has_scheduled_reqs && req.waiting_or_preempted {
-            self.watermark_blocks as i64
+            self.watermark_blocks
         } else {
             0
         };
-        let free = pool.get_num_free_blocks() as i64;
+        let free = pool.get_num_free_blocks();
         if args.full_sequence_must_fit {
             let full = req.num_tokens.min(self.max_model_len);
             let need = self
                 .tables
                 .get_num_blocks_to_allocate(pool, req.id, full, hits)?;
-            if need as i64 + wm > free {
+            if !fits(need, wm, free, 0) {
                 return Ok(None);
             }
         }
-        let main = total + args.num_new_tokens;
-        let need_slot = (main + args.num_lookahead_tokens).min(self.max_model_len);
+        let main = total.saturating_add(args.num_new_tokens);
+        let need_slot = main
+            .saturating_add(args.num_lookahead_tokens)
+            .min(self.max_model_len);
         if args.new_computed_blocks.is_none() && ext == 0 && !args.full_sequence_must_fit {
             let reborrowed = HashSource {
                 len: &mut *hashes.len,
@@ -624,7 +722,7 @@ impl UnitaryFullAttention {
         let need = self
             .tables
             .get_num_blocks_to_allocate(pool, req.id, need_slot, hits)?;
-        if need as i64 + wm > free - args.reserved_blocks {
+        if !fits(need, wm, free, args.reserved_blocks) {
             return Ok(None);
         }
         if args.new_computed_blocks.is_some() || ext > 0 {
@@ -639,7 +737,7 @@ impl UnitaryFullAttention {
         }
         let range = self.tables.allocate_new_blocks(pool, req.id, need_slot)?;
         if pool.enable_caching() && !args.delay_cache_blocks {
-            let n = (total + args.num_new_tokens).min(req.num_tokens);
+            let n = main.min(req.num_tokens);
             self.tables.cache_blocks(pool, req.id, n, hashes, meta)?;
         }
         Ok(Some(range))
@@ -761,6 +859,125 @@ mod tests {
         m.tables.free(&mut p, "r3").unwrap();
         assert_eq!(p.all_free_block_ids(), vec![3, 5, 6, 7, 8, 9, 2, 4, 1]);
         p.check_invariants().unwrap();
+    }
+
+    /// The manager's invariants hold through a request's lifecycle (hits shared by two
+    /// requests, pop, free) and catch a reference dropped behind the tables' back.
+    #[test]
+    fn check_invariants_follows_lifecycles_and_catches_foreign_frees() {
+        let mut p = BlockPool::new(10, true, 16, false).unwrap();
+        let mut m = UnitaryFullAttention::new(&p, 16, true, 1024, 0, false).unwrap();
+        m.check_invariants(&p).unwrap();
+        let hashes = [h(1), h(2), h(3)];
+        let args = |n| AllocateArgs {
+            num_new_tokens: n,
+            ..Default::default()
+        };
+        alloc(&mut m, &mut p, req("a", 0, 40), args(40), &hashes).unwrap();
+        m.check_invariants(&p).unwrap();
+        let hit = m.find_longest_cache_hit(&p, hashes, 48);
+        let a = AllocateArgs {
+            num_new_tokens: 16,
+            num_new_computed_tokens: 32,
+            new_computed_blocks: Some(&hit),
+            ..Default::default()
+        };
+        alloc(&mut m, &mut p, req("b", 0, 48), a, &hashes).unwrap();
+        m.check_invariants(&p).unwrap();
+        let popped = m.tables.pop("b");
+        m.check_invariants(&p).unwrap();
+        p.free_blocks(&popped).unwrap();
+        m.tables.get_num_common_prefix_blocks(&p, "nobody");
+        m.check_invariants(&p).unwrap();
+        // A reference dropped outside the tables leaves "a" owning a block it has no count for.
+        let first = m.tables.blocks("a")[0];
+        p.free_blocks(&[first]).unwrap();
+        let err = m.check_invariants(&p).unwrap_err();
+        assert!(err.contains("reference count"), "{err}");
+        p.touch(&[first]).unwrap();
+        m.tables.free(&mut p, "a").unwrap();
+        m.tables.free(&mut p, "nobody").unwrap();
+        m.check_invariants(&p).unwrap();
+        assert_eq!(p.get_num_free_blocks(), 9);
+    }
+
+    /// Fuzz find (`fuzz/seeds/manager/crash-allocate-slots-token-sum-overflow`): token counts
+    /// near `usize::MAX` overflowed the sums (a panic), and block counts above `i64::MAX`, a
+    /// huge watermark or `reserved_blocks = i64::MIN` wrapped in the fit test (admitting
+    /// requests that cannot fit, or a panic). Sums now saturate at their caps and the fit
+    /// test is exact.
+    #[test]
+    fn allocate_slots_huge_counts_neither_panic_nor_wrap() {
+        let fresh = || BlockPool::new(10, false, 16, false).unwrap();
+        let mut p = fresh();
+        let mut m = UnitaryFullAttention::new(&p, 16, false, 1024, 0, false).unwrap();
+        // computed + new_computed overflowed; the capped total needs 64 blocks of 9.
+        let a = AllocateArgs {
+            num_new_tokens: 1,
+            num_new_computed_tokens: 1,
+            ..Default::default()
+        };
+        assert_eq!(
+            alloc(&mut m, &mut p, req("x", usize::MAX, usize::MAX), a, &[]),
+            None
+        );
+        let a = AllocateArgs {
+            num_new_tokens: usize::MAX,
+            num_lookahead_tokens: usize::MAX,
+            num_external_computed_tokens: usize::MAX,
+            ..Default::default()
+        };
+        assert_eq!(alloc(&mut m, &mut p, req("x", 5, usize::MAX), a, &[]), None);
+        assert_eq!(p.get_num_free_blocks(), 9);
+        let r = m
+            .tables
+            .allocate_external_computed_blocks(&mut p, "y", usize::MAX, usize::MAX);
+        assert!(matches!(r, Err(PoolError::NotEnoughFreeBlocks { .. })));
+        // A whole sequence of usize::MAX blocks does not fit (it wrapped to -1 and passed).
+        let mut p = fresh();
+        let mut m = UnitaryFullAttention::new(&p, 1, false, usize::MAX, 0, false).unwrap();
+        let a = AllocateArgs {
+            num_new_tokens: 4,
+            full_sequence_must_fit: true,
+            ..Default::default()
+        };
+        assert_eq!(alloc(&mut m, &mut p, req("x", 0, usize::MAX), a, &[]), None);
+        // A watermark above i64::MAX leaves no room (it wrapped to a negative margin).
+        let mut m = UnitaryFullAttention::new(&p, 16, false, 1024, usize::MAX, false).unwrap();
+        let a = AllocateArgs {
+            num_new_tokens: 16,
+            has_scheduled_reqs: true,
+            ..Default::default()
+        };
+        assert_eq!(alloc(&mut m, &mut p, req("x", 0, 16), a, &[]), None);
+        // reserved_blocks = i64::MIN overflowed `free - reserved`; a negative reservation
+        // only makes room.
+        let a = AllocateArgs {
+            num_new_tokens: 16,
+            reserved_blocks: i64::MIN,
+            ..Default::default()
+        };
+        let mut m = UnitaryFullAttention::new(&p, 16, false, 1024, 0, false).unwrap();
+        assert_eq!(
+            alloc(&mut m, &mut p, req("x", 0, 32), a, &[]),
+            Some(vec![1])
+        );
+        let a = AllocateArgs {
+            num_new_tokens: 16,
+            reserved_blocks: i64::MIN,
+            ..Default::default()
+        };
+        assert_eq!(
+            alloc(&mut m, &mut p, req("x", 16, 32), a, &[]),
+            Some(vec![2])
+        );
+        let a = AllocateArgs {
+            num_new_tokens: 16,
+            reserved_blocks: i64::MAX,
+            ..Default::default()
+        };
+        assert_eq!(alloc(&mut m, &mut p, req("x", 32, 48), a, &[]), None);
+        m.check_invariants(&p).unwrap();
     }
 
     #[test]

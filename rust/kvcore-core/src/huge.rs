@@ -57,6 +57,29 @@ fn advise(block: NonNull<[u8]>) {
 #[cfg(not(target_os = "linux"))]
 fn advise(_block: NonNull<[u8]>) {}
 
+/// This machine's physical memory in bytes, where the system says (Linux).
+#[cfg(target_os = "linux")]
+pub(crate) fn physical_memory() -> Option<u64> {
+    #[allow(unsafe_code)]
+    // SAFETY: `sysconf` takes no pointers and only reads system configuration; it is safe to
+    // call from any thread. A failure returns -1, handled below.
+    let (pages, page_size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let pages = u64::try_from(pages).ok().filter(|&p| p > 0)?;
+    let page_size = u64::try_from(page_size).ok().filter(|&p| p > 0)?;
+    Some(pages.saturating_mul(page_size))
+}
+
+/// This machine's physical memory in bytes: unknown here.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn physical_memory() -> Option<u64> {
+    None
+}
+
 #[allow(unsafe_code)]
 // SAFETY: every method forwards to `Global` with the layout from `backing`, a pure function of
 // the caller's layout, so a block is always freed (or resized) with the layout it was
@@ -102,6 +125,15 @@ mod tests {
                 *p.add(size - 1) = 7;
                 HugePages.deallocate(block.cast(), layout);
             }
+        }
+    }
+
+    #[test]
+    fn physical_memory_is_known_on_linux() {
+        let mem = physical_memory();
+        assert_eq!(mem.is_some(), cfg!(target_os = "linux"));
+        if let Some(m) = mem {
+            assert!(m >= 1 << 20, "{m} bytes");
         }
     }
 

@@ -16,6 +16,8 @@
 //! - every key in the index lists only blocks that hold it (primary or alias), and every key a
 //!   block holds lists that block exactly once.
 
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod index;
 
 use hashbrown::{HashMap, HashSet};
@@ -39,6 +41,14 @@ const NIL: u32 = u32::MAX;
 
 /// Largest pool: pair ids (block ids, then alias records) must stay below `u32::MAX`.
 const MAX_BLOCKS: i64 = 1 << 31;
+
+/// Memory one block can take once the pool is fully cached: its node, its primary key, its
+/// free-slot entry and up to four index slots (the index is at most half full and doubles).
+/// A pool whose blocks would need more than the machine's memory is refused up front.
+const BYTES_PER_BLOCK: u64 = (std::mem::size_of::<Node>()
+    + std::mem::size_of::<Primary>()
+    + std::mem::size_of::<u32>()
+    + 4 * std::mem::size_of::<u64>()) as u64;
 
 /// How many operations ahead a batch of index operations prefetches.
 const PREFETCH_AHEAD: usize = 8;
@@ -112,7 +122,10 @@ impl BlockPool {
     /// is `[1..num_blocks-1]` (SPEC POOL-1).
     ///
     /// # Errors
-    /// [`PoolError::InvalidPoolSize`] when `num_blocks <= 0` or `num_blocks > 2^31`.
+    /// [`PoolError::InvalidPoolSize`] when `num_blocks <= 0` or `num_blocks > 2^31`;
+    /// [`PoolError::Invalid`] when its blocks, fully cached, would need more memory than the
+    /// machine has (96 bytes each on 64-bit targets; checked before allocating), or when the
+    /// block table cannot be allocated (an error, not an abort).
     pub fn new(
         num_blocks: i64,
         enable_caching: bool,
@@ -128,9 +141,19 @@ impl BlockPool {
             ));
         }
         let n = num_blocks as usize;
+        let need = (n as u64).saturating_mul(BYTES_PER_BLOCK);
+        if let Some(mem) = crate::huge::physical_memory().filter(|&mem| need > mem) {
+            return Err(PoolError::Invalid(format!(
+                "a pool of {n} blocks needs up to {need} bytes, more than this machine's \
+                 {mem} bytes of memory"
+            )));
+        }
         let head = n as u32;
         let tail = head + 1;
-        let mut nodes = HugeVec::with_capacity_in(n + 2, HugePages);
+        let mut nodes = HugeVec::new_in(HugePages);
+        nodes.try_reserve_exact(n + 2).map_err(|_| {
+            PoolError::Invalid(format!("cannot allocate the block table of {n} blocks"))
+        })?;
         nodes.resize(n + 2, EMPTY_NODE);
         // Queue [1..n-1]; block 0 is the null block and never linked.
         let mut last = head;
@@ -550,9 +573,11 @@ impl BlockPool {
     /// on, and hands them out with `ref_cnt = 1` (SPEC POOL-5, POOL-6).
     ///
     /// # Errors
-    /// [`PoolError::NotEnoughFreeBlocks`] when `n` exceeds the free count; nothing changes.
+    /// [`PoolError::NotEnoughFreeBlocks`] when `n` exceeds the free count; nothing changes
+    /// (and nothing is allocated, whatever `n`).
     pub fn get_new_blocks(&mut self, n: usize) -> Result<Vec<BlockId>, PoolError> {
-        let mut out = Vec::with_capacity(n);
+        // `get_new_blocks_into` checks `n` against the free count before reserving.
+        let mut out = Vec::new();
         self.get_new_blocks_into(n, &mut out)?;
         Ok(out)
     }
@@ -750,6 +775,14 @@ impl BlockPool {
                 needed: num_full,
                 available,
             }
+            .into());
+        }
+        // Token offsets below are at most `num_full * block_size`, and events carry the block
+        // size as u32 (a view of that many hashes at this block size never gets here).
+        if num_full.checked_mul(block_size).is_none() || u32::try_from(block_size).is_err() {
+            return Err(PoolError::Invalid(format!(
+                "{num_full} blocks of {block_size} tokens exceed the token range"
+            ))
             .into());
         }
         self.check_ids(new_blocks)?;

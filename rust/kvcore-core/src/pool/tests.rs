@@ -61,6 +61,57 @@ fn pool_5_get_new_blocks() {
     p.check_invariants().unwrap();
 }
 
+/// Fuzz find (`fuzz/seeds/pool/crash-get-new-blocks-huge-count`): a huge count used to size
+/// the result before it was checked against the free count, so `get_new_blocks(2^36)` tried a
+/// 256 GiB allocation (an abort) and `usize::MAX` overflowed the capacity (a panic). Both are
+/// `NotEnoughFreeBlocks` now, with nothing changed.
+#[test]
+fn get_new_blocks_huge_count_is_an_error_without_allocating() {
+    let mut p = pool(8);
+    for n in [8, 1 << 36, usize::MAX / 4, usize::MAX] {
+        assert_eq!(
+            p.get_new_blocks(n),
+            Err(PoolError::NotEnoughFreeBlocks {
+                requested: n,
+                free: 7
+            })
+        );
+        let mut out = vec![5];
+        assert!(p.get_new_blocks_into(n, &mut out).is_err());
+        assert_eq!(out, vec![5]);
+    }
+    assert_eq!(p.all_free_block_ids(), vec![1, 2, 3, 4, 5, 6, 7]);
+    p.check_invariants().unwrap();
+}
+
+/// A pool of 2^31 blocks used to abort on its 34 GB block table where memory is smaller
+/// (`handle_alloc_error`): a pool whose blocks cannot fit in memory is refused with an error
+/// before anything is allocated. Only sizes above this machine's memory are tried.
+#[test]
+fn pool_larger_than_memory_is_an_error_not_an_abort() {
+    let Some(mem) = crate::huge::physical_memory() else {
+        return;
+    };
+    assert_eq!(
+        BYTES_PER_BLOCK, 96,
+        "the figure in BlockPool::new's documentation"
+    );
+    let first_too_big = mem / BYTES_PER_BLOCK + 1;
+    for n in [first_too_big, first_too_big + 1, MAX_BLOCKS as u64] {
+        if n > MAX_BLOCKS as u64 || n * BYTES_PER_BLOCK <= mem {
+            continue; // a machine this large holds every allowed pool
+        }
+        match BlockPool::new(n as i64, true, 16, false) {
+            Err(PoolError::Invalid(m)) => assert!(m.contains("memory"), "{m}"),
+            other => panic!("a pool of {n} blocks: {:?}", other.map(|p| p.num_blocks())),
+        }
+    }
+    assert_eq!(
+        BlockPool::new(MAX_BLOCKS + 1, true, 16, false).unwrap_err(),
+        PoolError::InvalidPoolSize(MAX_BLOCKS + 1)
+    );
+}
+
 #[test]
 fn pool_10_free_order_unhashed_front_hashed_back() {
     let mut p = pool(10);
@@ -152,6 +203,55 @@ fn map_1_duplicates_and_map_2_earliest() {
         vec![vec![1, 4]]
     );
     assert_eq!(p.get_cached_block(&h(1), &[0, 1]), None);
+    p.check_invariants().unwrap();
+}
+
+/// A hash source that claims `len` hashes, all `h(9)`.
+fn cache_with(
+    p: &mut BlockPool,
+    blocks: &[u32],
+    num_cached: usize,
+    block_size: usize,
+    len: usize,
+) -> Result<(), PoolError> {
+    let mut get = |_: usize| -> Result<BlockHash, PoolError> { Ok(h(9)) };
+    p.cache_full_blocks(
+        blocks,
+        num_cached,
+        num_cached + blocks.len(),
+        block_size,
+        0,
+        None,
+        HashSource {
+            len: &mut || Ok(len),
+            get: &mut get,
+        },
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+    )
+}
+
+/// Found with the pool fuzz target's model: a block size near `usize::MAX` overflowed the
+/// token offsets of `cache_full_blocks` (a panic) when the hash source had enough entries, and
+/// one above `u32::MAX` was truncated in the `BlockStored` event when every block was
+/// skipped. Both are refused now, before anything changes.
+#[test]
+fn cache_full_blocks_huge_block_size_is_an_error_not_an_overflow() {
+    let mut p = BlockPool::new(8, true, 1, true).unwrap();
+    let blocks = p.get_new_blocks(2).unwrap();
+    for (bs, cached, ids) in [
+        (1usize << 63, 1, &blocks[..]),
+        (usize::MAX, 0, &blocks[..]),
+        (1 << 32, 3, &[0, 0][..]),
+    ] {
+        let r = cache_with(&mut p, ids, cached, bs, 10);
+        assert!(matches!(r, Err(PoolError::Invalid(_))), "{bs}: {r:?}");
+    }
+    assert!(!p.has_pending_events() && p.num_cached_keys() == 0);
+    // The largest sizes that fit still work.
+    cache_with(&mut p, &[0, 0], 3, u32::MAX as usize, 10).unwrap();
+    let big = (u32::MAX / 2) as usize;
+    cache_with(&mut p, &blocks[..1], 1, big, 10).unwrap();
+    assert_eq!(p.primary_key(blocks[0]).map(|k| k.1), Some(2 * big));
     p.check_invariants().unwrap();
 }
 
