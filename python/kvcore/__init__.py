@@ -6,6 +6,8 @@ only KV-cache group is full attention is managed in Rust too). The behaviour, ru
 specified in the repository's ``docs/behaviour.md``, which docstrings cite as "SPEC".
 """
 
+from importlib import metadata as _metadata
+
 from kvcore._native import (
     BlockIdError,
     BlockPool,
@@ -15,7 +17,6 @@ from kvcore._native import (
     KVCacheBlockView,
     KvcoreError,
     NoFreeBlocksError,
-    __version__,
 )
 from kvcore.blocks import KVCacheBlocks
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -38,6 +39,11 @@ from kvcore.specs import (
     TQFullAttentionSpec,
     UniformTypeKVCacheSpecs,
 )
+
+try:
+    __version__ = _metadata.version("kvcore")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "BlockIdError",

@@ -6,6 +6,15 @@ summary; ``--compare reference`` replays the same workload through the reference
 that every decision matches. ``kvcore bench`` times pool operations, hashing and one replay
 against the reference.
 
+Every mistake in the arguments is reported before anything runs, as one line on stderr that
+names the flag (``kvcore simulate: error: --num-blocks: expected an integer >= 2, got 'abc'``),
+with exit status 2. The workload is generated (or the trace read) while the simulation runs,
+so that progress shows at once and memory does not grow with the whole workload.
+
+Ctrl-C stops a simulation after the current step and prints the partial summary (exit status
+130). While the summary is being written, one more Ctrl-C is ignored, with a note on stderr,
+so that a double press does not lose it; the next one quits without it.
+
 A default run imports neither torch nor the reference.
 """
 
@@ -13,11 +22,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
+import math
+import os
+import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
 
+from kvcore import __version__
 from kvcore.simulate.backends import (
     BACKENDS,
     MODEL_PRESETS,
@@ -28,7 +46,7 @@ from kvcore.simulate.backends import (
     make_backend,
     model_preset,
 )
-from kvcore.simulate.progress import Progress
+from kvcore.simulate.progress import make_progress
 from kvcore.simulate.report import combine, format_table, summarize
 from kvcore.simulate.scheduler import (
     ConfigError,
@@ -37,36 +55,125 @@ from kvcore.simulate.scheduler import (
     Simulator,
     check_config,
 )
-from kvcore.simulate.trace import TraceError, load_trace
-from kvcore.simulate.workload import ChatWorkloadParams, RequestSpec, synthetic_chat
+from kvcore.simulate.trace import TraceError, TraceWorkload
+from kvcore.simulate.workload import (
+    MAX_ARRIVAL_RATE,
+    MIN_SYNTHETIC_MODEL_LEN,
+    ChatWorkloadParams,
+    SyntheticChat,
+    Workload,
+)
 
 HASH_FUNCTIONS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+"""File types ``--plot`` writes (matplotlib's own backends, no extra package)."""
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
+MAX_COUNT = 2**31 - 1
+"""Largest value of the token and request counts (``2**31 - 1``)."""
+MAX_BLOCKS = 2**31
+"""Largest ``--num-blocks`` (the block pool's limit)."""
+MAX_SEED = 2**32 - 1
+"""Largest ``--seed`` (it is also the ``PYTHONHASHSEED`` that ``NONE_HASH`` comes from)."""
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+DEFAULT_REQUESTS = 300
+DEFAULT_ARRIVAL_RATE = 0.5
+DEFAULT_SLIDING_WINDOW = 1024
+
+_SUMMARIZING_NOTE = (
+    b"kvcore simulate: still summarizing; press Ctrl-C again to quit without the summary\n"
+)
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: ``PROG: error: --flag: message``."""
+
+    def error(self, message: str) -> NoReturn:
+        text = message.removeprefix("argument ").replace("\n", " ")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {text}\n")
+
+
+def _integer(lo: int, hi: int, hi_text: str) -> Callable[[str], int]:
+    """A flag type: an integer in ``[lo, hi]`` (``hi_text`` is how messages write ``hi``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {hi_text}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _number(lo: float, hi: float, *, lo_open: bool, hi_open: bool) -> Callable[[str], float]:
+    """A flag type: a finite number in an interval (open or closed at each end)."""
+    interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        inside = (
+            math.isfinite(value)
+            and (lo < value if lo_open else lo <= value)
+            and (value < hi if hi_open else value <= hi)
+        )
+        if not inside:
+            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _trace_file(text: str) -> str:
+    """A flag type: a readable file."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file name, got ''")
+    try:
+        with open(text, "rb"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc.strerror or exc}") from None
+    return text
+
+
+def _plot_file(text: str) -> str:
+    """A flag type: a file ``--plot`` can write, with matplotlib installed."""
+    kinds = ", ".join(PLOT_SUFFIXES[:-1]) + f" or {PLOT_SUFFIXES[-1]}"
+    path = Path(text)
+    if not text.strip() or path.suffix.lower() not in PLOT_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"expected a file name ending in {kinds}, got {text!r}")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    folder = path.parent
+    if not folder.is_dir():
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: directory {str(folder)!r} {what}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError(
+            "needs matplotlib: pip install 'kvcore[plot]' (or pip install matplotlib)"
+        )
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvcore`` (exposed for documentation and tests)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvcore", description="kvcore: a fast KV-cache block manager for LLM serving."
     )
+    parser.add_argument("--version", action="version", version=f"kvcore {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sim = sub.add_parser(
@@ -75,49 +182,57 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay a serving workload through kvcore's KVCacheManager with a "
         "continuous-batching scheduler (chunked prefill, prefix caching, preemption) and "
         "report hit rate, preemptions, usage and the manager's cost per step.",
+        epilog="Ctrl-C stops the run after the current step and prints the partial summary. "
+        "While the summary is being written, one more Ctrl-C is ignored (with a note); the "
+        "next one quits without it. Exit status: 0 done, 1 the run stalled, the decisions "
+        "differ from the reference or the plot could not be written, 2 bad arguments, "
+        "trace or configuration (reported before anything runs), 130 interrupted.",
     )
     wl = sim.add_argument_group("workload")
     wl.add_argument(
         "--trace",
         metavar="FILE.jsonl",
-        help="replay this JSONL trace (see docs/trace-format.md) instead of the synthetic "
-        "chat workload",
+        type=_trace_file,
+        help="replay this JSONL trace (see docs/trace-format.md; a readable file) instead of "
+        "the synthetic chat workload",
     )
     wl.add_argument(
         "--requests",
-        type=_non_negative,
-        default=300,
+        type=_integer(1, MAX_COUNT, "2**31 - 1"),
         metavar="N",
-        help="synthetic workload: number of requests (default: %(default)s)",
+        help="synthetic workload only: number of requests, an integer in [1, 2**31 - 1] "
+        f"(default: {DEFAULT_REQUESTS})",
     )
     wl.add_argument(
         "--arrival-rate",
-        type=float,
-        default=0.5,
+        type=_number(0.0, MAX_ARRIVAL_RATE, lo_open=True, hi_open=False),
         metavar="RATE",
-        help="synthetic workload: new conversations per step (default: %(default)s)",
+        help="synthetic workload only: new conversations per step, a number in "
+        f"(0, {MAX_ARRIVAL_RATE:g}] (default: {DEFAULT_ARRIVAL_RATE})",
     )
     wl.add_argument(
         "--seed",
-        type=int,
+        type=_integer(0, MAX_SEED, "2**32 - 1"),
         default=0,
         metavar="SEED",
-        help="seed of the workload's tokens and of NONE_HASH (default: %(default)s)",
+        help="seed of the workload's tokens and of NONE_HASH (as PYTHONHASHSEED), an integer "
+        "in [0, 2**32 - 1] (default: %(default)s)",
     )
     kv = sim.add_argument_group("KV cache")
     kv.add_argument(
         "--num-blocks",
-        type=_positive,
+        type=_integer(2, MAX_BLOCKS, "2**31"),
         default=2000,
         metavar="N",
-        help="blocks in the pool, null block included (default: %(default)s)",
+        help="blocks in the pool, null block included, an integer in [2, 2**31] "
+        "(default: %(default)s)",
     )
     kv.add_argument(
         "--block-size",
-        type=_positive,
+        type=_integer(1, MAX_COUNT, "2**31 - 1"),
         default=16,
         metavar="TOKENS",
-        help="tokens per block (default: %(default)s)",
+        help="tokens per block, an integer in [1, 2**31 - 1] (default: %(default)s)",
     )
     kv.add_argument(
         "--hash",
@@ -134,10 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kv.add_argument(
         "--sliding-window",
-        type=_positive,
-        default=1024,
+        type=_integer(1, MAX_COUNT, "2**31 - 1"),
         metavar="TOKENS",
-        help="window of the hybrid-swa preset, in tokens (default: %(default)s)",
+        help="window of --model hybrid-swa (only with it), in tokens, an integer in "
+        f"[1, 2**31 - 1] (default: {DEFAULT_SLIDING_WINDOW})",
     )
     kv.add_argument(
         "--events",
@@ -154,31 +269,33 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sim.add_argument_group("scheduler")
     sc.add_argument(
         "--max-model-len",
-        type=_positive,
+        type=_integer(2, MAX_COUNT, "2**31 - 1"),
         default=8192,
         metavar="TOKENS",
-        help="longest sequence (default: %(default)s)",
+        help="longest sequence, an integer in [2, 2**31 - 1], at least "
+        f"{MIN_SYNTHETIC_MODEL_LEN} for the synthetic workload (default: %(default)s)",
     )
     sc.add_argument(
         "--max-num-batched-tokens",
-        type=_positive,
+        type=_integer(1, MAX_COUNT, "2**31 - 1"),
         default=2048,
         metavar="TOKENS",
-        help="token budget per step (default: %(default)s)",
+        help="token budget per step, an integer in [1, 2**31 - 1] (default: %(default)s)",
     )
     sc.add_argument(
         "--max-num-seqs",
-        type=_positive,
+        type=_integer(1, MAX_COUNT, "2**31 - 1"),
         default=128,
         metavar="N",
-        help="most running requests (default: %(default)s)",
+        help="most running requests, an integer in [1, 2**31 - 1] (default: %(default)s)",
     )
     sc.add_argument(
         "--watermark",
-        type=float,
+        type=_number(0.0, 1.0, lo_open=False, hi_open=True),
         default=0.0,
         metavar="FRACTION",
-        help="fraction of blocks kept free when admitting (default: %(default)s)",
+        help="fraction of blocks kept free when admitting, a number in [0, 1) "
+        "(default: %(default)s)",
     )
     sc.add_argument(
         "--no-admission-gate",
@@ -191,48 +308,123 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=BACKENDS,
         default="kvcore",
-        help="implementation to drive (default: %(default)s)",
+        help="implementation to drive; the reference must be installed (default: %(default)s)",
     )
     out.add_argument(
         "--compare",
         choices=["reference"],
-        help="also replay through the reference and compare speed and decisions",
+        help="also replay through the reference (vLLM 0.25.1, which must be installed) and "
+        "compare speed and decisions; only with --backend kvcore",
     )
-    out.add_argument("--json", action="store_true", help="print one JSON object instead")
-    out.add_argument("--plot", metavar="FILE.png", help="draw usage, hit rate and requests")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    out.add_argument(
+        "--json", action="store_true", help="print one JSON object instead (no progress bar)"
+    )
+    out.add_argument(
+        "--plot",
+        metavar="FILE",
+        type=_plot_file,
+        help="draw usage, hit rate and requests into FILE (.png, .pdf or .svg) in an existing "
+        "writable directory (needs matplotlib)",
+    )
+    out.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar on stderr (there is none either with --json or when stderr is "
+        "not a terminal)",
+    )
 
     bench = sub.add_parser(
         "bench",
         help="micro-benchmarks against the reference",
         description="Time pool operations, block hashing and one replay with kvcore and, "
         "when it is installed, the reference, and print the ratios.",
+        epilog="Ctrl-C stops the benchmarks (exit status 130).",
     )
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead")
     return parser
 
 
-def _workload(args: argparse.Namespace) -> list[RequestSpec]:
+def _misuse(args: argparse.Namespace) -> str | None:
+    """Flags that parse one by one but not together: the message, or None."""
     if args.trace is not None:
-        return load_trace(args.trace, seed=args.seed)
-    return synthetic_chat(
+        for flag, value in (("--requests", args.requests), ("--arrival-rate", args.arrival_rate)):
+            if value is not None:
+                return f"{flag}: only for the synthetic workload, not with --trace"
+    elif args.max_model_len < MIN_SYNTHETIC_MODEL_LEN:
+        return (
+            f"--max-model-len: expected an integer >= {MIN_SYNTHETIC_MODEL_LEN} with the "
+            f"synthetic workload, got {args.max_model_len}"
+        )
+    if args.sliding_window is not None and args.model != "hybrid-swa":
+        return "--sliding-window: only used by --model hybrid-swa"
+    if args.compare is not None and args.backend == args.compare:
+        return f"--compare {args.compare}: --backend is {args.backend} already (use kvcore)"
+    return None
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    if args.trace is not None:
+        return TraceWorkload(args.trace, seed=args.seed)
+    return SyntheticChat(
         ChatWorkloadParams(
-            num_requests=args.requests,
+            num_requests=DEFAULT_REQUESTS if args.requests is None else args.requests,
             seed=args.seed,
-            arrival_rate=args.arrival_rate,
+            arrival_rate=DEFAULT_ARRIVAL_RATE if args.arrival_rate is None else args.arrival_rate,
             max_model_len=args.max_model_len,
         )
     )
 
 
-def _header(args: argparse.Namespace, model: ModelPreset, n: int) -> str:
-    source = args.trace if args.trace is not None else f"synthetic chat, seed {args.seed}"
+def _header(args: argparse.Namespace, model: ModelPreset, workload: Workload) -> str:
     return (
-        f"kvcore simulate: {n} requests ({source}); {model.name} model, "
+        f"kvcore simulate: {len(workload)} requests ({workload.source}); {model.name} model, "
         f"{args.num_blocks} blocks x {args.block_size} tokens, {args.hash}, "
         f"events {'on' if args.events else 'off'}"
     )
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+class _Interrupts:
+    """What Ctrl-C does in ``kvcore simulate`` (a SIGINT handler).
+
+    The first press stops the running simulation after its step. Later presses, and any
+    press once the summary is being written, are "extra": the first extra one is only noted
+    on stderr, the next raises ``KeyboardInterrupt`` (quit without the summary).
+    """
+
+    def __init__(self) -> None:
+        self.sim: Simulator | None = None
+        self.interrupted = False
+        self.summarizing = False
+        self._extra = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.interrupted and not self.summarizing:
+            self.interrupted = True
+            if self.sim is not None:
+                self.sim.stop()
+            return
+        self._extra += 1
+        if self._extra > 1:
+            raise KeyboardInterrupt
+        os.write(2, _SUMMARIZING_NOTE)  # raw write: safe whatever the main code is printing
+
+
+@contextmanager
+def _sigint(handler: _Interrupts) -> Iterator[None]:
+    """Installs ``handler`` for SIGINT (main thread only) and restores the previous one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _run_one(
@@ -241,7 +433,8 @@ def _run_one(
     model: ModelPreset,
     settings: ManagerSettings,
     sched: SchedulerSettings,
-    workload: list[RequestSpec],
+    workload: Workload,
+    interrupts: _Interrupts,
 ) -> tuple[Simulator, bool]:
     """Runs one backend; returns the simulator and whether it was interrupted.
 
@@ -249,7 +442,10 @@ def _run_one(
     (``gc.freeze``), so that neither backend pays for scanning what its imports allocated.
     """
     sim = Simulator(backend, model, settings, sched, workload)
-    progress = Progress(len(workload), f"{backend.name:>9}", enabled=not args.no_progress)
+    interrupts.sim = sim
+    progress = make_progress(
+        len(workload), backend.name, enabled=not (args.no_progress or args.json)
+    )
 
     def on_step(s: Simulator) -> None:
         st = s.stats
@@ -258,24 +454,31 @@ def _run_one(
     gc.collect()
     gc.freeze()
     try:
-        sim.run(on_step)
+        if not interrupts.interrupted:
+            sim.run(on_step)
     except KeyboardInterrupt:
-        return sim, True
+        interrupts.interrupted = True
     finally:
         gc.unfreeze()
         progress.close()
-    return sim, False
+        interrupts.sim = None
+    return sim, interrupts.interrupted
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Runs ``kvcore simulate``; returns the exit status."""
     prog = "kvcore simulate"
-    try:
-        model = model_preset(args.model, args.block_size, args.sliding_window)
-        if args.plot is not None:
-            from kvcore.simulate.plot import require_matplotlib
 
-            require_matplotlib()
+    def fail(message: str, status: int = EXIT_USAGE) -> int:
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return status
+
+    problem = _misuse(args)
+    if problem is not None:
+        return fail(problem)
+    try:
+        window = DEFAULT_SLIDING_WINDOW if args.sliding_window is None else args.sliding_window
+        model = model_preset(args.model, args.block_size, window)
         workload = _workload(args)
         settings = ManagerSettings(
             num_blocks=args.num_blocks,
@@ -291,29 +494,56 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, admission_gate=args.admission_gate
         )
         check_config(model, settings, sched, workload)
-    except (TraceError, ConfigError, ValueError, ImportError, OSError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except OSError as exc:  # the trace went away after the argument check
+        return fail(f"--trace: cannot read {args.trace!r}: {exc.strerror or exc}")
+    except (TraceError, ConfigError, ValueError) as exc:
+        return fail(str(exc))
 
-    header = _header(args, model, len(workload))
+    header = _header(args, model, workload)
+    names = [args.backend] + ([args.compare] if args.compare is not None else [])
+    backends = []
+    for flag, name in zip(("--backend", "--compare"), names, strict=False):
+        try:
+            # Every backend is imported before anything runs, so both runs see the same process.
+            backends.append(make_backend(name))
+        except BackendUnavailable as exc:
+            return fail(f"{flag} {name}: {exc}")
+
+    interrupts = _Interrupts()
     runs: list[tuple[Simulator, bool]] = []
-    try:
-        # Every backend is imported before anything runs, so both runs see the same process.
-        names = [args.backend] + ([args.compare] if args.compare is not None else [])
-        backends = [make_backend(name) for name in names]
-    except BackendUnavailable as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        for backend in backends:
-            runs.append(_run_one(backend, args, model, settings, sched, workload))
-            if runs[-1][1]:
-                break
-    except SimulationStalled as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    with _sigint(interrupts):
+        try:
+            for backend in backends:
+                runs.append(_run_one(backend, args, model, settings, sched, workload, interrupts))
+                if runs[-1][1]:
+                    break
+        except SimulationStalled as exc:
+            return fail(str(exc), EXIT_FAILED)
+        except OSError as exc:  # the trace went away while it was being replayed
+            return fail(f"--trace: cannot read {args.trace!r}: {exc.strerror or exc}", EXIT_FAILED)
+        except TraceError as exc:
+            return fail(str(exc), EXIT_FAILED)
+        interrupts.summarizing = True
+        interrupted = interrupts.interrupted
+        if interrupted:
+            done = runs[-1][0].stats.finished
+            print(
+                f"{prog}: interrupted: summarizing {_plural(done, 'finished request')}...",
+                file=sys.stderr,
+                flush=True,
+            )
+        return _report(args, prog, header, model, runs, interrupted)
 
-    interrupted = any(r[1] for r in runs)
+
+def _report(
+    args: argparse.Namespace,
+    prog: str,
+    header: str,
+    model: ModelPreset,
+    runs: list[tuple[Simulator, bool]],
+    interrupted: bool,
+) -> int:
+    """Prints the summary (and writes the plot); returns the exit status."""
     summaries = [summarize(sim, interrupted=intr) for sim, intr in runs]
     summary = combine(summaries[0], summaries[1] if len(summaries) > 1 else None)
     summary["config"] = {
@@ -332,31 +562,34 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "workload": args.trace if args.trace is not None else "synthetic-chat",
     }
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(summary, indent=2), flush=True)
     else:
-        print(format_table(summary, header))
-    if args.plot is not None and runs:
+        print(format_table(summary, header), flush=True)
+    status = EXIT_OK
+    if args.plot is not None:
         from kvcore.simulate.plot import plot
 
-        plot(runs[0][0], args.plot, title=header.replace("kvcore simulate: ", ""))
-        if not args.json:
-            print(f"plot written to {args.plot}")
+        try:
+            plot(runs[0][0], args.plot, title=header.replace("kvcore simulate: ", ""))
+        except (OSError, ValueError, RuntimeError) as exc:
+            print(f"{prog}: error: --plot: cannot write {args.plot!r}: {exc}", file=sys.stderr)
+            status = EXIT_FAILED
+        else:
+            if not args.json:
+                print(f"plot written to {args.plot}")
     if interrupted:
         return EXIT_INTERRUPTED
     if summary.get("decisions_match") is False:
         print(f"{prog}: error: decisions differ from the reference", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_OK
+    return status
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Runs ``kvcore bench``; returns the exit status."""
     from kvcore.simulate.bench import format_bench, run_bench
 
-    try:
-        results = run_bench(quick=args.quick)
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+    results = run_bench(quick=args.quick)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -371,12 +604,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0, 1 (stalled run or decisions differ), 2 (bad input) or 130
-        (interrupted; the partial summary is printed).
+        The exit status: 0, 1 (stalled run, decisions differ, plot not written), 2 (bad
+        input, reported before anything runs) or 130 (interrupted; ``simulate`` prints the
+        partial summary).
     """
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    prog = f"kvcore {args.command}"
+    if extra:  # reported by the subcommand, whose flags they were meant to be
+        print(f"{prog}: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
+        return EXIT_USAGE
     command: Any = {"simulate": cmd_simulate, "bench": cmd_bench}[args.command]
     try:
         return int(command(args))
     except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout closed early (piped into head): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED

@@ -28,6 +28,15 @@ BACKENDS = ("kvcore", "reference")
 MODEL_PRESETS = ("full", "hybrid-swa", "hybrid-mamba")
 """Model presets: full attention; full + sliding window; full + Mamba."""
 
+REFERENCE_INSTALL = "install it with scripts/install-reference.sh from a kvcore checkout"
+"""How to install the reference, for messages."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (import errors can run over many lines)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
 
 @dataclass(slots=True, frozen=True)
 class GroupSpec:
@@ -282,8 +291,13 @@ class ReferenceBackend(Backend):
                 kv_cache_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
         except ImportError as exc:
             raise BackendUnavailable(
-                f"the reference implementation is not importable ({exc}); "
-                "install it with `make install-reference`"
+                f"the reference (vLLM 0.25.1) is not installed ({_first_line(exc)}); "
+                f"{REFERENCE_INSTALL}"
+            ) from exc
+        except Exception as exc:  # a broken installation fails in other ways too
+            raise BackendUnavailable(
+                f"the reference (vLLM 0.25.1) cannot be imported ({type(exc).__name__}: "
+                f"{_first_line(exc)}); {REFERENCE_INSTALL}"
             ) from exc
         self._torch = torch
         self._sampling = sampling_params

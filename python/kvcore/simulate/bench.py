@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcore.simulate.backends import (
+    REFERENCE_INSTALL,
     Backend,
     BackendUnavailable,
     ManagerSettings,
@@ -168,7 +169,10 @@ def format_bench(report: dict[str, Any]) -> str:
         ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.1f}x"
         lines.append(f"{r['name']:<{width}}{r['kvcore_us']:>12,.1f}{ref:>14}{ratio:>9}")
     if not report["reference"]:
-        lines.append("(the reference is not installed: `make install-reference` for ratios)")
+        lines.append(
+            "(the reference (vLLM 0.25.1) is not installed, so there are no ratios; "
+            f"{REFERENCE_INSTALL})"
+        )
     elif report["replay_decisions_match"] is not None:
         match = "yes" if report["replay_decisions_match"] else "NO"
         lines.append(f"replay decisions identical to the reference: {match}")

@@ -8,29 +8,15 @@ from typing import Any
 from kvcore.simulate.scheduler import Simulator
 
 
-def require_matplotlib() -> None:
-    """Fails early, before a long run, when matplotlib is missing.
-
-    Raises:
-        ImportError: With an install hint.
-    """
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            "--plot needs matplotlib: pip install 'kvcore[plot]' (or pip install matplotlib)"
-        ) from exc
-
-
 def plot(sim: Simulator, path: str | Path, title: str = "") -> None:
-    """Draws three panels over the executed steps and saves them as a PNG.
+    """Draws three panels over the executed steps and saves them (PNG, PDF or SVG, by suffix).
 
     The panels are pool usage, the cumulative prefix hit rate (with the unlimited-cache bound
     as a dashed line) and the running and waiting request counts.
 
     Args:
         sim: A finished (or interrupted) simulation.
-        path: Output file (PNG).
+        path: Output file; its suffix (``.png``, ``.pdf``, ``.svg``) picks the format.
         title: Figure title.
     """
     import matplotlib

@@ -4,7 +4,10 @@ The loop follows the order of operations of the reference scheduler (``Scheduler
 ``update_from_output`` of vLLM 0.25.1, FCFS policy, chunked prefill, no speculative decoding,
 no connector):
 
-1. Requests whose arrival step has come are built (their full blocks are hashed) and queued.
+1. Requests whose arrival step has come are queued. The workload is pulled lazily (see
+   :meth:`~kvcore.simulate.workload.Workload.releases`): only requests that arrived, or that
+   wait for one in flight, are held, as compact token arrays; a request's manager-side object
+   is built (its full blocks hashed) when it first reaches the head of the waiting queue.
 2. ``new_step_starts()``.
 3. Running requests, oldest first, while the token budget lasts: ``allocate_slots`` for the
    tokens they still need (capped by the budget and the model length). When it fails, the
@@ -36,12 +39,12 @@ import heapq
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.simulate.backends import Backend, ManagerSettings, ModelPreset
-from kvcore.simulate.workload import RequestSpec, unlimited_cache_hit_bound
+from kvcore.simulate.workload import HitBound, RequestSpec, Workload, as_workload
 
 # Tags of the decision stream (negative, so they never collide with ids or counts).
 _T_STEP = -1
@@ -77,11 +80,14 @@ class SchedulerSettings:
 
 @dataclass(slots=True)
 class _Live:
-    """A request in flight: its workload entry and the backend's request object."""
+    """A request in flight: its workload entry and the backend's request object.
+
+    ``req`` is None until the request first reaches the head of the waiting queue.
+    """
 
     idx: int
     spec: RequestSpec
-    req: Any
+    req: Any = None
 
 
 @dataclass(slots=True)
@@ -103,7 +109,8 @@ class SimStats:
         sample_running: Running requests after each step.
         sample_waiting: Waiting requests after each step.
         sample_hit_rate: Cumulative prefix hit rate after each step.
-        wall_s: Wall-clock seconds of the run.
+        wall_s: Wall-clock seconds of the run (generating or reading the workload, which is
+            pulled as the run goes, included).
     """
 
     requests_total: int
@@ -152,13 +159,22 @@ def blocks_needed(model: ModelPreset, num_tokens: int, max_num_batched_tokens: i
     return total
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def check_config(
     model: ModelPreset,
     settings: ManagerSettings,
     sched: SchedulerSettings,
-    workload: Sequence[RequestSpec],
+    workload: Workload | Iterable[RequestSpec],
 ) -> None:
     """Rejects, before anything runs, a configuration that cannot serve the workload.
+
+    When the workload bounds its request sizes (:meth:`Workload.size_bound`) and the bounds
+    fit, nothing is generated; otherwise every request's sizes are gone through
+    (:meth:`Workload.shapes`, streamed). A configuration that fits is remembered by the
+    workload, so checking it again costs nothing.
 
     Args:
         model: The groups.
@@ -175,32 +191,48 @@ def check_config(
         raise ConfigError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
     if not 0.0 <= settings.watermark < 1.0:
         raise ConfigError("--watermark must be in [0, 1)")
+    w = as_workload(workload)
+    key = (model, settings.num_blocks, settings.max_model_len, settings.max_num_batched_tokens)
+    if key in w.checked:
+        return
     usable = settings.num_blocks - 1
-    worst: tuple[int, int, RequestSpec] | None = None
-    for spec in workload:
-        if len(spec.prompt) >= settings.max_model_len:
+    max_len = settings.max_model_len
+    bound = w.size_bound()
+    if (
+        bound is None
+        or bound.prompt_len >= max_len
+        or blocks_needed(model, min(bound.total_len, max_len), settings.max_num_batched_tokens)
+        > usable
+    ):
+        worst: tuple[int, int, str] | None = None
+        for shape in w.shapes():
+            if shape.prompt_len >= max_len:
+                raise ConfigError(
+                    f"{shape.name} has a {shape.prompt_len}-token prompt, which does not "
+                    f"fit --max-model-len {max_len} (at least one output token must fit too)"
+                )
+            length = min(shape.prompt_len + shape.output_len, max_len)
+            need = blocks_needed(model, length, settings.max_num_batched_tokens)
+            if worst is None or need > worst[0]:
+                worst = (need, length, shape.name)
+        if worst is not None and worst[0] > usable:
+            need, length, name = worst
             raise ConfigError(
-                f"{spec.describe()} has a {len(spec.prompt)}-token prompt, which does not "
-                f"fit --max-model-len {settings.max_model_len} (at least one output token "
-                "must fit too)"
+                f"the KV cache cannot hold even one request: {name} grows to "
+                f"{length} tokens, which needs {_plural(need, 'block')} of "
+                f"{model.block_size} tokens ({model.name} model), but --num-blocks "
+                f"{settings.num_blocks} leaves only {_plural(usable, 'usable block')} "
+                f"(block 0 is the null block); use --num-blocks {need + 1} or more"
             )
-        length = min(len(spec.prompt) + len(spec.output), settings.max_model_len)
-        need = blocks_needed(model, length, settings.max_num_batched_tokens)
-        if worst is None or need > worst[0]:
-            worst = (need, length, spec)
-    if worst is not None and worst[0] > usable:
-        need, length, spec = worst
-        raise ConfigError(
-            f"the KV cache cannot hold even one request: {spec.describe()} grows to "
-            f"{length} tokens, which needs {need} blocks of {model.block_size} tokens "
-            f"({model.name} model), but --num-blocks {settings.num_blocks} leaves only "
-            f"{usable} usable blocks (block 0 is the null block); use --num-blocks "
-            f"{need + 1} or more"
-        )
+    w.checked.add(key)
 
 
 class Simulator:
     """Replays a workload through one backend's ``KVCacheManager``.
+
+    The workload is pulled as the simulation goes (see :meth:`Workload.releases`), so a run
+    holds only the requests that arrived and have not finished, plus the later turns of
+    conversations in flight; a list of requests is accepted as well.
 
     Args:
         backend: The implementation to drive.
@@ -219,14 +251,14 @@ class Simulator:
         model: ModelPreset,
         settings: ManagerSettings,
         sched: SchedulerSettings,
-        workload: Sequence[RequestSpec],
+        workload: Workload | Iterable[RequestSpec],
     ) -> None:
-        check_config(model, settings, sched, workload)
+        self.workload = as_workload(workload)
+        check_config(model, settings, sched, self.workload)
         self.backend = backend
         self.model = model
         self.settings = settings
         self.sched = sched
-        self.workload = list(workload)
         self.manager: Any = backend.build_manager(model, settings)
         self.stats = SimStats(requests_total=len(self.workload))
         if settings.enable_events:
@@ -235,15 +267,17 @@ class Simulator:
         self._checksum = hashlib.blake2b(digest_size=16)
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
+        # Pulled from the workload, not yet waiting: (arrival, index) heap and index -> spec.
         self._pending: list[tuple[int, int]] = []
+        self._held: dict[int, RequestSpec] = {}
         self._dependents: dict[str, list[int]] = {}
-        for i, spec in enumerate(self.workload):
-            if spec.after is None:
-                self._pending.append((spec.arrival, i))
-            else:
-                self._dependents.setdefault(spec.after, []).append(i)
-        heapq.heapify(self._pending)
-        self._bound: float | None = None
+        self._bound = HitBound(model.block_size, settings.max_model_len)
+        self._releases = self.workload.releases()
+        self._ahead: tuple[int, RequestSpec] | None = None
+        self._stop = False
+        self.released = 0
+        """Requests taken from the workload so far."""
+        self._pull_next()
 
     @property
     def done(self) -> bool:
@@ -256,12 +290,34 @@ class Simulator:
         return self._checksum.hexdigest()
 
     def hit_rate_bound(self) -> float:
-        """The unlimited-cache prefix hit rate of the workload (computed once)."""
-        if self._bound is None:
-            self._bound = unlimited_cache_hit_bound(
-                self.workload, self.model.block_size, self.settings.max_model_len
-            )
-        return self._bound
+        """The unlimited-cache prefix hit rate of the requests pulled so far, in workload
+        order (of the whole workload once every request was pulled; see :class:`HitBound`)."""
+        return self._bound.rate
+
+    def stop(self) -> None:
+        """Makes :meth:`run` return after the current step (safe to call from a signal
+        handler); the figures stay those of whole steps."""
+        self._stop = True
+
+    def _pull_next(self) -> None:
+        self._ahead = next(self._releases, None)
+        if self._ahead is None:
+            self._bound.release_memory()  # every request was taken: only the rate is left
+
+    def _pull(self) -> None:
+        """Takes every request that arrived by now, and those that wait for one."""
+        while self._ahead is not None:
+            i, spec = self._ahead
+            if spec.after is None:
+                if spec.arrival > self.clock:
+                    return
+                heapq.heappush(self._pending, (spec.arrival, i))
+            else:
+                self._dependents.setdefault(spec.after, []).append(i)
+            self._held[i] = spec
+            self._bound.add(i, spec)
+            self.released += 1
+            self._pull_next()
 
     def run(self, on_step: Callable[[Simulator], None] | None = None) -> SimStats:
         """Runs until every request has finished.
@@ -278,7 +334,7 @@ class Simulator:
         """
         start = time.perf_counter()
         try:
-            while not self.done:
+            while not self.done and not self._stop:
                 self.step()
                 if on_step is not None:
                     on_step(self)
@@ -296,18 +352,28 @@ class Simulator:
         waiting = self._waiting
         max_len = self.settings.max_model_len
         ns = 0
-        if not running and not waiting and self._pending:
-            self.clock = max(self.clock, self._pending[0][0])
         pending = self._pending
+        held = self._held
+        self._pull()
+        if not running and not waiting:
+            # Idle: skip to the next arrival, pulled or not.
+            nxt = pending[0][0] if pending else None
+            if self._ahead is not None:
+                a = self._ahead[1].arrival
+                nxt = a if nxt is None else min(nxt, a)
+            if nxt is not None and nxt > self.clock:
+                self.clock = nxt
+                self._pull()
         while pending and pending[0][0] <= self.clock:
             _, i = heapq.heappop(pending)
-            spec = self.workload[i]
-            build = be.request_factory(spec.request_id, list(spec.prompt), len(spec.output))
-            t0 = perf()
-            req = build()
-            ns += perf() - t0
-            waiting.append(_Live(i, spec, req))
+            waiting.append(_Live(i, held.pop(i)))
         if not running and not waiting:
+            if not self.done:
+                left = self.stats.requests_total - self.stats.finished
+                raise SimulationStalled(
+                    f"{_plural(left, 'request')} wait for requests that never run (a request's "
+                    "'after' must name an earlier request)"
+                )
             return
 
         log: list[int] = [_T_STEP, self.clock]
@@ -379,6 +445,12 @@ class Simulator:
             while waiting and budget > 0 and len(running) < self.sched.max_num_seqs:
                 live = waiting[0]
                 req = live.req
+                if req is None:
+                    spec = live.spec
+                    build = be.request_factory(spec.request_id, list(spec.prompt), len(spec.output))
+                    t0 = perf()
+                    req = live.req = build()
+                    ns += perf() - t0
                 t0 = perf()
                 hit_blocks, hit = mgr.get_computed_blocks(req)
                 ns += perf() - t0
@@ -456,7 +528,7 @@ class Simulator:
             log += (_T_FINISH, live.idx)
             stats.finished += 1
             for j in self._dependents.pop(live.spec.request_id, ()):
-                heapq.heappush(pending, (self.clock + 1 + self.workload[j].arrival, j))
+                heapq.heappush(pending, (self.clock + 1 + held[j].arrival, j))
 
         # 5. Events and usage.
         if self.settings.enable_events:
