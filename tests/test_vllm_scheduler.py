@@ -20,6 +20,7 @@ import vllm_harness as h
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+from vllm.v1.request import RequestStatus
 
 import kvcore.vllm
 from kvcore.errors import InvalidConfigError
@@ -47,7 +48,37 @@ CASES: dict[str, dict[str, Any]] = {
     "mamba": {"model": "mamba"},
     "mamba-align": {"model": "mamba", "mamba_mode": "align"},
     "mamba-all": {"model": "mamba", "mamba_mode": "all"},
+    "connector": {"connector": True},
+    "connector-preemption": {"connector": True, "num_blocks": 80},
+    "connector-async-deferred-frees": {"connector": True, "async_scheduling": True},
+    "connector-swa": {"connector": True, "model": "swa", "num_blocks": 120},
 }
+
+
+class Probe:
+    """Counts, per run, what the connector cases must exercise."""
+
+    def __init__(self) -> None:
+        self.remote_waits = 0
+        self.inflight_prefills = 0
+        self.deferred_frees = 0
+        self.wrapped = False
+
+    def __call__(self, sched: Any, step: int) -> None:
+        _reset_when_idle(sched, step)
+        if not self.wrapped:
+            self.wrapped = True
+            free = sched._free_request_blocks
+
+            def counting(request: Any) -> None:
+                before = len(sched.deferred_frees)
+                free(request)
+                self.deferred_frees += len(sched.deferred_frees) > before
+
+            sched._free_request_blocks = counting
+        waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.remote_waits += sum(r.status == waiting for r in sched.requests.values())
+        self.inflight_prefills += len(sched._inflight_prefills)
 
 
 @pytest.mark.reference
@@ -60,8 +91,9 @@ def test_scheduler_outputs_identical(case: str) -> None:
         ref_cls, kv_cls = VllmAsyncScheduler, kvcore.vllm.AsyncScheduler
     else:
         ref_cls, kv_cls = VllmScheduler, kvcore.vllm.Scheduler
-    ref = h.run(ref_cls, setup, workload, on_step=_reset_when_idle)
-    ours = h.run(kv_cls, setup, workload, on_step=_reset_when_idle)
+    ref_probe, our_probe = Probe(), Probe()
+    ref = h.run(ref_cls, setup, workload, on_step=ref_probe)
+    ours = h.run(kv_cls, setup, workload, on_step=our_probe)
     assert ours.steps == ref.steps
     for step, (a, b) in enumerate(zip(ref.outputs, ours.outputs, strict=True)):
         assert b == a, f"{case}: SchedulerOutput differs at step {step}"
@@ -77,6 +109,12 @@ def test_scheduler_outputs_identical(case: str) -> None:
         assert any(o["preempted"] for o in ref.outputs), "no preemption happened"
     if setup.num_spec_tokens:
         assert any(o["spec"] for o in ref.outputs)
+    assert vars(our_probe) == vars(ref_probe)
+    if setup.connector:
+        # Async loads (allocated with delay_cache_blocks, reserved while in flight) happened.
+        assert ref_probe.remote_waits > 0 and ref_probe.inflight_prefills > 0
+        if setup.async_scheduling:
+            assert ref_probe.deferred_frees > 0, "no deferred free happened"
 
 
 @pytest.mark.reference
@@ -182,3 +220,73 @@ def test_kvcore_imports_without_vllm() -> None:
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules if sys.modules[m])\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.reference
+def test_events_through_vllm_zmq_publisher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own ZMQ publisher sends kvcore's events; a subscriber reads vLLM's bytes."""
+    import socket
+    import time
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    init_none_hash(sha256)
+    setup = h.Setup(model="swa")
+    args: dict[str, Any] = {
+        "max_model_len": 2048,
+        "scheduler_block_size": 16,
+        "hash_block_size": 16,
+        "enable_kv_cache_events": True,
+    }
+    hasher = get_request_block_hasher(16, sha256)
+
+    def events_of(cls: Any) -> list[Any]:
+        mgr = cls(h.kv_cache_config(setup), **args)
+        for i, n in enumerate((70, 40, 90)):
+            req = Request(
+                f"r{i}", list(range(n)), SamplingParams(max_tokens=4), None, block_hasher=hasher
+            )
+            hits, num_hits = mgr.get_computed_blocks(req)
+            assert mgr.allocate_slots(req, n - num_hits, num_hits, hits) is not None
+            if i == 1:
+                mgr.free(req)
+        return list(mgr.take_events())
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    ctx: Any = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint, topic="kv")
+        sub.bind(endpoint)  # vLLM's publisher connects to a non-wildcard endpoint
+        ours = events_of(kvcore.vllm.KVCacheManager)
+        ref = events_of(VllmKVCacheManager)
+        # A PUB socket drops what it sends before the subscription arrives: send until one
+        # batch gets through (bounded).
+        sub.setsockopt(zmq.RCVTIMEO, 200)
+        payload = b""
+        for _ in range(50):
+            publisher.publish(KVEventBatch(ts=1.0, events=ours))
+            try:
+                _topic, _seq, payload = sub.recv_multipart()
+                break
+            except zmq.Again:
+                time.sleep(0.1)
+    finally:
+        publisher.shutdown()
+        sub.close(linger=0)
+    assert payload, "no batch reached the subscriber"
+    received = msgspec.msgpack.decode(payload, type=KVEventBatch)
+    expected = KVEventBatch(ts=1.0, events=ref, data_parallel_rank=0)
+    assert payload == msgspec.msgpack.encode(expected)
+    assert len(received.events) == len(ref) > 0

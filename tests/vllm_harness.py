@@ -10,6 +10,7 @@ schedulers (vLLM's manager, kvcore's) can be compared step by step.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -27,6 +28,7 @@ from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVEventsConfig,
+    KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -42,8 +44,8 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 VOCAB = 1000
@@ -92,6 +94,7 @@ class Setup:
     async_scheduling: bool = False
     log_stats: bool = True
     mamba_mode: str = "none"
+    connector: bool = False
 
 
 def kv_cache_config(s: Setup) -> KVCacheConfig:
@@ -150,6 +153,15 @@ def vllm_config(s: Setup) -> VllmConfig:
         if s.num_spec_tokens
         else None
     )
+    transfer = (
+        KVTransferConfig(
+            kv_connector="SeededConnector",
+            kv_connector_module_path="vllm_test_connector",
+            kv_role="kv_both",
+        )
+        if s.connector
+        else None
+    )
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if s.events else None
     return VllmConfig(
         model_config=model,
@@ -158,6 +170,7 @@ def vllm_config(s: Setup) -> VllmConfig:
         device_config=DeviceConfig(device="cpu"),
         speculative_config=spec,
         kv_events_config=events,
+        kv_transfer_config=transfer,
     )
 
 
@@ -168,6 +181,7 @@ class Workload:
     seed: int = 0
     num_requests: int = 60
     arrivals: list[tuple[int, str, list[int], int]] = field(default_factory=list)
+    aborts: list[tuple[int, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
@@ -180,6 +194,9 @@ class Workload:
             prompt = list(rng.choice(prefixes)) if rng.random() < 0.7 else []
             prompt += [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 200))]
             self.arrivals.append((step, f"req-{i}", prompt, rng.randrange(1, 80)))
+            if rng.random() < 0.1:  # the client goes away mid-flight
+                self.aborts.append((step + rng.randrange(1, 30), f"req-{i}"))
+        self.aborts.sort()
 
 
 class CapturingPublisher:
@@ -266,6 +283,33 @@ def run(
     sched.kv_event_publisher = publisher
     trace = Trace()
     pending = list(w.arrivals)
+    aborts = list(w.aborts)
+    in_flight: collections.deque[tuple[Any, ModelRunnerOutput]] = collections.deque()
+
+    def process(out: Any, mro: ModelRunnerOutput) -> None:
+        """Hands one step's model output back to the scheduler."""
+        if sched.connector is not None:
+            recving, sending = sched.connector.advance()
+            mro.kv_connector_output = KVConnectorOutput(
+                finished_sending=sending or None, finished_recving=recving or None
+            )
+        engine_outputs = sched.update_from_output(out, mro)
+        if s.num_spec_tokens:
+            ids = [r for r in mro.req_ids if r in sched.requests]
+            drafts = [
+                [
+                    _token(w.seed + 1, r, sched.requests[r].num_tokens + k)
+                    for k in range(s.num_spec_tokens)
+                ]
+                for r in ids
+            ]
+            sched.update_draft_token_ids(DraftTokenIds(ids, drafts))
+        # The scheduler hands its manager's prefix-cache stats to the engine once per step.
+        for eco in engine_outputs.values():
+            stats = eco.scheduler_stats and eco.scheduler_stats.prefix_cache_stats
+            if stats is not None:
+                trace.stats.append((type(stats).__module__, dataclasses.asdict(stats)))
+
     step = 0
     while step < max_steps:
         while pending and pending[0][0] <= step:
@@ -279,6 +323,10 @@ def run(
                     block_hasher=hasher,
                 )
             )
+        while aborts and aborts[0][0] <= step:
+            rid = aborts.pop(0)[1]
+            if rid in sched.requests:
+                sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
         if not pending and not sched.has_unfinished_requests():
             break
         out = sched.schedule()
@@ -302,28 +350,16 @@ def run(
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
-        engine_outputs = sched.update_from_output(out, mro)
-        if s.num_spec_tokens:
-            from vllm.v1.outputs import DraftTokenIds
-
-            drafts = [
-                [
-                    _token(w.seed + 1, r, sched.requests[r].num_tokens + k)
-                    for k in range(s.num_spec_tokens)
-                ]
-                for r in req_ids
-                if r in sched.requests
-            ]
-            ids = [r for r in req_ids if r in sched.requests]
-            sched.update_draft_token_ids(DraftTokenIds(ids, drafts))
-        # The scheduler hands its manager's prefix-cache stats to the engine once per step.
-        for eco in engine_outputs.values():
-            stats = eco.scheduler_stats and eco.scheduler_stats.prefix_cache_stats
-            if stats is not None:
-                trace.stats.append((type(stats).__module__, dataclasses.asdict(stats)))
+        # With async scheduling the engine schedules step N+1 before step N's output is
+        # back (two batches in flight); the synchronous scheduler waits for each output.
+        in_flight.append((out, mro))
+        while len(in_flight) >= (2 if s.async_scheduling else 1):
+            process(*in_flight.popleft())
         if on_step is not None:
             on_step(sched, step)
         step += 1
+    while in_flight:
+        process(*in_flight.popleft())
     trace.steps = step
     trace.events = publisher.payloads
     return trace
