@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from vllm.distributed import kv_events as _vllm_events
+from vllm.v1.metrics.stats import PrefixCacheStats as _VllmPrefixCacheStats
+
 from kvcore import specs as kv_specs
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.errors import InvalidConfigError
@@ -84,8 +87,7 @@ def vllm_events(events: list[KVCacheEvent]) -> list[Any]:
     vLLM's publisher encodes its own msgspec structs only; the copies encode to the bytes vLLM's
     own manager's events would.
     """
-    from vllm.distributed import kv_events as v
-
+    v = _vllm_events
     out: list[Any] = []
     for e in events:
         if isinstance(e, BlockStored):
@@ -119,9 +121,7 @@ def vllm_events(events: list[KVCacheEvent]) -> list[Any]:
 
 def vllm_prefix_cache_stats(stats: PrefixCacheStats) -> Any:
     """vLLM's ``PrefixCacheStats`` with kvcore's counts."""
-    from vllm.v1.metrics.stats import PrefixCacheStats as VllmPrefixCacheStats
-
-    return VllmPrefixCacheStats(
+    return _VllmPrefixCacheStats(
         reset=stats.reset,
         requests=stats.requests,
         queries=stats.queries,
