@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import operator
 import random
 import time
 import tracemalloc
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from kvcore.simulate.workload import (
     RequestSpec,
     SpecList,
     SyntheticChat,
+    Tokens,
     Workload,
     release_order,
     synthetic_chat,
@@ -205,3 +208,38 @@ def test_hit_bound_out_of_order_equals_in_order() -> None:
         in_order.prompt_tokens,
     )
     assert 0 < in_order.rate < 1
+
+
+def test_conversation_turns_share_their_tokens() -> None:
+    specs = synthetic_chat(ChatWorkloadParams(num_requests=80, seed=1, max_model_len=4096))
+    by_id = {s.request_id: s for s in specs}
+    later = [s for s in specs if s.after is not None]
+    assert later
+    for spec in later:
+        prev = by_id[spec.after]  # type: ignore[index]
+        assert isinstance(spec.prompt, Tokens) and isinstance(prev.prompt, Tokens)
+        # The earlier turn's segments are reused, not copied.
+        assert spec.prompt.parts[: len(prev.prompt.parts)] == prev.prompt.parts
+        assert any(part is prev.output for part in spec.prompt.parts)
+
+
+def test_tokens_sequence() -> None:
+    a = array("H", [1, 2, 3])
+    b = array("H", [4, 5])
+    t = Tokens((a, array("H"), b))
+    assert len(t) == 5 and list(t) == [1, 2, 3, 4, 5]
+    assert [t[i] for i in range(-5, 5)] == [1, 2, 3, 4, 5] * 2
+    for i in (5, -6):
+        with pytest.raises(IndexError):
+            t[i]
+    assert t[1:4] == [2, 3, 4] and t[::-2] == [5, 3, 1]
+    assert t == (1, 2, 3, 4, 5) and t == array("I", [1, 2, 3, 4, 5])
+    assert operator.eq((1, 2, 3, 4, 5), t)  # the tuple defers to Tokens
+    assert t != (1, 2, 3, 4) and t != (1, 2, 3, 4, 6) and t != "12345"
+    u = t + array("H", [6])
+    assert list(u) == [1, 2, 3, 4, 5, 6] and list(t) == [1, 2, 3, 4, 5]
+    assert u.parts[:2] == (a, b)
+    assert list(t + t) == [1, 2, 3, 4, 5] * 2
+    with pytest.raises(TypeError):
+        hash(t)
+    assert "5 tokens" in repr(t)

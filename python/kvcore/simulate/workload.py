@@ -9,7 +9,8 @@ A simulation does not hold a whole workload in memory: it pulls requests from a
 :class:`Workload` as they arrive (see :meth:`Workload.releases`). :class:`SyntheticChat`
 generates the chat mix on the fly, :class:`SpecList` wraps requests already in memory and
 :class:`~kvcore.simulate.trace.TraceWorkload` reads a trace file line by line. Token ids are
-kept in compact arrays (two or four bytes a token), not in tuples of Python ints.
+kept in compact arrays (two or four bytes a token), not in tuples of Python ints, and the
+turns of a conversation share the tokens they have in common (:class:`Tokens`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import overload
 
 VOCAB_SIZE = 32_000
 """Token ids of generated prompts and outputs are drawn from ``[0, VOCAB_SIZE)``."""
@@ -257,6 +260,68 @@ class ChatWorkloadParams:
     max_model_len: int = 8192
 
 
+class Tokens(Sequence[int]):
+    """Token ids kept as a tuple of shared segments (arrays), read as one sequence.
+
+    A later conversation turn's prompt is the earlier turn's prompt, its output and a new
+    message: ``prompt + output + user`` makes a new :class:`Tokens` that refers to the same
+    segments instead of copying them. Slices are lists; two token sequences are equal when
+    their ids are.
+
+    Args:
+        parts: The segments, in order.
+    """
+
+    __slots__ = ("_len", "_parts")
+
+    def __init__(self, parts: Iterable[Sequence[int]]) -> None:
+        self._parts: tuple[Sequence[int], ...] = tuple(p for p in parts if len(p))
+        self._len = sum(len(p) for p in self._parts)
+
+    @property
+    def parts(self) -> tuple[Sequence[int], ...]:
+        """The segments (empty ones dropped)."""
+        return self._parts
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self._parts)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        i = index + self._len if index < 0 else index
+        if not 0 <= i < self._len:
+            raise IndexError("token index out of range")
+        for part in self._parts:
+            if i < len(part):
+                return part[i]
+            i -= len(part)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def __add__(self, other: Sequence[int]) -> Tokens:
+        tail = other._parts if isinstance(other, Tokens) else (other,)
+        return Tokens((*self._parts, *tail))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to mutable sequences: not hashable
+
+    def __repr__(self) -> str:
+        return f"Tokens(<{self._len} tokens in {len(self._parts)} segments>)"
+
+
 def _tokens(rng: random.Random, n: int) -> array[int]:
     draw = rng.randrange
     return array(SYNTHETIC_TOKEN_TYPE, [draw(VOCAB_SIZE) for _ in range(n)])
@@ -353,23 +418,24 @@ class SyntheticChat(Workload):
                     break
                 conv += 1
                 if systems and rng.random() < params.shared_fraction:
-                    prompt = systems[rng.randrange(len(systems))]
+                    # Turns share their tokens: a prompt is the segments before it plus one.
+                    history = Tokens((systems[rng.randrange(len(systems))],))
                     turns = rng.randint(1, max(1, params.max_turns))
                     prev: str | None = None
                     for turn in range(turns):
                         if made >= total:
                             break
                         user = _tokens(rng, pick(params.user_turn_len, budget))
-                        room = budget - len(prompt) - len(user)
+                        room = budget - len(history) - len(user)
                         if room < 2:
                             break
-                        prompt = prompt + user
+                        history = history + user
                         output = _tokens(rng, pick(params.output_len, room - 1))
                         rid = f"c{conv}t{turn}"
                         arrival = step if prev is None else rng.randint(*params.think_steps)
                         made += 1
-                        yield RequestSpec(rid, arrival, prompt, output, after=prev)
-                        prompt = prompt + output
+                        yield RequestSpec(rid, arrival, history, output, after=prev)
+                        history = history + output
                         prev = rid
                 else:
                     prompt = _tokens(rng, pick(params.unique_prompt_len, budget - 2))
@@ -501,6 +567,7 @@ __all__ = [
     "SizeBound",
     "SpecList",
     "SyntheticChat",
+    "Tokens",
     "Workload",
     "as_workload",
     "describe_request",
