@@ -271,7 +271,14 @@ def run(
     # A fixed seed makes NONE_HASH, and so every block hash, the same in both runs.
     with unittest.mock.patch.dict(os.environ, {"PYTHONHASHSEED": "0"}):
         init_none_hash(sha256)
-    hasher = get_request_block_hasher(s.block_size, sha256)
+    # kvcore's scheduler runs with kvcore's native hasher for vLLM requests, as its engine
+    # plugin arranges; vLLM's with vLLM's.
+    if scheduler_cls.__module__.startswith("kvcore."):
+        from kvcore.vllm import get_request_block_hasher as kvcore_hasher
+
+        hasher = kvcore_hasher(s.block_size, sha256)
+    else:
+        hasher = get_request_block_hasher(s.block_size, sha256)
     sched = scheduler_cls(
         vllm_config=cfg,
         kv_cache_config=kv_cache_config(s),

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NewType, cast, overload
 
 from kvcore import _native
+from kvcore.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = [
     "NONE_HASH",
@@ -57,6 +58,10 @@ HashFunction = Callable[[Any], bytes]
 """A block-hash function: any object in, digest bytes out."""
 
 _PICKLE_PROTOCOL = 5
+
+_NATIVE_MAX_BLOCK_SIZE = 2**62
+"""Largest hash block size the native hasher takes; larger ones (a window no request fills)
+go to the Python closure, which computes with exact ints."""
 
 _cbor2: Any
 try:
@@ -374,7 +379,10 @@ def _window_extras(
 
 
 def get_request_block_hasher(
-    hash_block_size: int, caching_hash_fn: HashFunction
+    hash_block_size: int,
+    caching_hash_fn: HashFunction,
+    *,
+    none_hash: Callable[[], bytes] | None = None,
 ) -> Callable[[Any], list[BlockHash]]:
     """A function returning the hashes of a request's new full windows (SPEC RH-1).
 
@@ -388,12 +396,28 @@ def get_request_block_hasher(
     Args:
         hash_block_size: Tokens per hashed window.
         caching_hash_fn: The block-hash function.
+        none_hash: Where the first block's parent comes from, read at every call (a kvcore
+            extension, e.g. ``lambda: vllm.v1.core.kv_cache_utils.NONE_HASH`` to chain from
+            vLLM's); by default this module's :data:`NONE_HASH`.
 
     Returns:
         ``hasher(request) -> list[BlockHash]``; the caller extends ``block_hashes`` with it.
+
+    Raises:
+        ArgumentTypeError: ``hash_block_size`` is not an int.
+        InvalidArgumentError: ``hash_block_size`` is not positive (the reference accepts it,
+            and its hasher then never returns).
     """
+    if not isinstance(hash_block_size, int):
+        raise ArgumentTypeError(
+            f"hash_block_size must be an int, not {type(hash_block_size).__name__}"
+        )
+    if hash_block_size <= 0:
+        # The reference's hasher never returns for such a size (its window never ends).
+        raise InvalidArgumentError(f"hash_block_size must be positive, got {hash_block_size}")
     hbs = hash_block_size
     name = _NATIVE_NAMES.get(caching_hash_fn)
+    first_parent = _none_hash if none_hash is None else none_hash
 
     def request_block_hasher(request: Any) -> list[BlockHash]:
         block_hashes = request.block_hashes
@@ -411,23 +435,25 @@ def get_request_block_hasher(
                 tokens = tuple(all_tokens)  # one copy instead of slice + tuple
             else:
                 tokens = tuple(all_tokens[start:end])
-            none_hash = b"" if parent else _none_hash()
-            out = _native.hash_request_blocks(name, none_hash, parent, tokens, hbs, extras)
+            root = b"" if parent else first_parent()
+            out = _native.hash_request_blocks(name, root, parent, tokens, hbs, extras)
             if out is not None:
                 return out  # type: ignore[return-value]
         new_hashes: list[BlockHash] = []
         all_tokens = request.all_token_ids
         for i, s in enumerate(range(start, end, hbs)):
             extra = extras[i] if extras is not None else None
-            parent = hash_block_tokens(caching_hash_fn, parent, all_tokens[s : s + hbs], extra)
+            parent = hash_block_tokens(
+                caching_hash_fn, parent or first_parent(), all_tokens[s : s + hbs], extra
+            )
             new_hashes.append(BlockHash(parent))
         return new_hashes
 
     request_block_hasher.hash_block_size = hbs  # type: ignore[attr-defined]
-    if name is not None and hbs > 0:
+    if name is not None and hbs <= _NATIVE_MAX_BLOCK_SIZE:
         # Requests without extra keys are hashed entirely in Rust; the closure above serves
         # the others.
-        native = _native.RequestBlockHasher(name, hbs, _none_hash, request_block_hasher)
+        native = _native.RequestBlockHasher(name, hbs, first_parent, request_block_hasher)
         return cast("Callable[[Any], list[BlockHash]]", native)
     return request_block_hasher
 

@@ -18,6 +18,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncSched
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 
 from kvcore.vllm.manager import KVCacheManager
+from kvcore.vllm.plugin import note_scheduler_built
 
 
 def _install_kvcore_manager(scheduler: Any, hash_block_size: int | None) -> None:
@@ -45,6 +46,7 @@ def _install_kvcore_manager(scheduler: Any, hash_block_size: int | None) -> None
     del old
     if scheduler.connector is not None:
         scheduler.connector.bind_gpu_block_pool(scheduler.kv_cache_manager.block_pool)
+    note_scheduler_built()
 
 
 class _PythonPathKVCacheManager(KVCacheManager):
