@@ -80,7 +80,7 @@ def test_plugin_selects_native_hasher_only_with_kvcore_scheduler(
     kvcore.vllm.plugin.register()
     kvcore.vllm.plugin.register()  # idempotent
     wrapped = engine_core.get_request_block_hasher
-    assert wrapped.__wrapped__ is original  # type: ignore[attr-defined]
+    assert wrapped.__wrapped__ is original
     fn = vllm_hashing.sha256
     assert not isinstance(wrapped(16, fn), RequestBlockHasher)
     kvcore.vllm.plugin.note_scheduler_built()
