@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
+import vllm.v1.core.kv_cache_coordinator as vllm_coordinators
 import vllm_harness as h
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
@@ -52,6 +53,9 @@ CASES: dict[str, dict[str, Any]] = {
     "connector-preemption": {"connector": True, "num_blocks": 80},
     "connector-async-deferred-frees": {"connector": True, "async_scheduling": True},
     "connector-swa": {"connector": True, "model": "swa", "num_blocks": 120},
+    # vLLM's Mamba + connector path asks the coordinator itself for per-group hits.
+    "connector-mamba": {"connector": True, "model": "mamba"},
+    "connector-mamba-align": {"connector": True, "model": "mamba", "mamba_mode": "align"},
 }
 
 
@@ -144,6 +148,33 @@ def test_scheduler_uses_kvcore_manager() -> None:
             apply_admission_cap=True,
         )
     assert mgr.coordinator.block_pool is mgr.block_pool
+    assert isinstance(mgr.coordinator, vllm_coordinators.UnitaryKVCacheCoordinator)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize(
+    ("model", "cls"),
+    [
+        ("swa", "HybridKVCacheCoordinator"),
+        ("mamba", "HybridKVCacheCoordinator"),
+        ("full", "UnitaryKVCacheCoordinator"),
+    ],
+)
+def test_coordinator_is_vllms_class(model: str, cls: str) -> None:
+    """``manager.coordinator`` passes vLLM's isinstance checks and answers from kvcore's state."""
+    setup = h.Setup(model=model, caching=True)
+    mgr = kvcore.vllm.KVCacheManager(
+        h.kv_cache_config(setup),
+        max_model_len=2048,
+        scheduler_block_size=16,
+        hash_block_size=16,
+    )
+    coordinator = mgr.coordinator
+    assert isinstance(coordinator, getattr(vllm_coordinators, cls))
+    assert coordinator.block_pool is mgr.block_pool
+    if cls == "HybridKVCacheCoordinator":
+        blocks, hits = coordinator.find_longest_cache_hit_per_group([], 0)
+        assert len(blocks) == len(hits) == 2 and not any(hits)
 
 
 def _params(fn: Any) -> list[tuple[str, Any, Any]]:

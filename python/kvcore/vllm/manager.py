@@ -8,51 +8,78 @@ class converts at exactly those points and is otherwise kvcore's ``KVCacheManage
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvcore.manager import KVCacheManager as _KVCacheManager
 from kvcore.vllm._convert import convert_kv_cache_config, vllm_events, vllm_prefix_cache_stats
 
+_PER_REQUEST = frozenset(
+    {
+        "get_num_blocks_to_allocate",
+        "allocate_new_computed_blocks",
+        "allocate_new_blocks",
+        "cache_blocks",
+        "free",
+        "pop_blocks_for_free",
+        "get_num_common_prefix_blocks",
+        "remove_skipped_blocks",
+        "get_blocks",
+    }
+)
 
-class _NativeStateCoordinator:
-    """The coordinator as seen from vLLM when the Rust manager holds the requests.
 
-    With a single full-attention group, kvcore's per-request state lives in
-    ``kvcore._native.UnitaryFullAttention``; the Python coordinator under it holds no request,
-    so a per-request question asked of it would get a silently wrong answer. This wrapper
-    forwards the questions that do not depend on requests and refuses the others with a clear
-    error. (``kvcore.vllm.Scheduler`` builds its manager without the Rust path when a KV
-    connector, the one user of these questions, is configured.)
+def _refusal(name: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"coordinator.{name}: kvcore keeps this configuration's requests in its Rust "
+            "manager; ask the KVCacheManager instead (kvcore.vllm.Scheduler builds the "
+            "manager with a Python coordinator when a KV connector is configured)"
+        )
+
+    return refuse
+
+
+def vllm_coordinator(coordinator: Any, refused: frozenset[str] = frozenset()) -> Any:
+    """kvcore's coordinator seen as an instance of vLLM's coordinator class of the same name.
+
+    vLLM's scheduler tests ``isinstance(manager.coordinator, HybridKVCacheCoordinator)`` to
+    choose its Mamba + KV connector path. The returned object is an instance of a subclass of
+    vLLM's class whose ``__init__`` is never run: every method vLLM's class defines is replaced,
+    on the instance, by kvcore's bound method (no extra frame), every other attribute is read
+    from kvcore's coordinator, and the ``refused`` methods raise ``NotImplementedError``.
+
+    Args:
+        coordinator: A ``kvcore.coordinator`` coordinator.
+        refused: Methods to refuse (per-request questions kvcore's coordinator cannot answer).
     """
+    import vllm.v1.core.kv_cache_coordinator as vllm_coordinators
 
-    _PER_REQUEST = frozenset(
-        {
-            "get_num_blocks_to_allocate",
-            "allocate_new_computed_blocks",
-            "allocate_new_blocks",
-            "cache_blocks",
-            "free",
-            "pop_blocks_for_free",
-            "get_num_common_prefix_blocks",
-            "remove_skipped_blocks",
-            "get_blocks",
-        }
-    )
+    base = getattr(vllm_coordinators, type(coordinator).__name__)
+    facade_cls = _FACADES.get(base)
+    if facade_cls is None:
+        facade_cls = type(
+            f"Kvcore{base.__name__}",
+            (base,),
+            {
+                "__init__": lambda self: None,
+                "__getattr__": lambda self, name: getattr(self.__dict__["_kvcore"], name),
+                "__module__": __name__,
+            },
+        )
+        _FACADES[base] = facade_cls
+    facade: Any = object.__new__(facade_cls)
+    facade.__dict__["_kvcore"] = coordinator
+    names = {n for klass in base.__mro__ for n in vars(klass) if not n.startswith("__")}
+    for name in names:
+        if name in refused:
+            facade.__dict__[name] = _refusal(name)
+        elif hasattr(coordinator, name):
+            facade.__dict__[name] = getattr(coordinator, name)
+    return facade
 
-    def __init__(self, coordinator: Any, caching: bool) -> None:
-        self._coordinator = coordinator
-        # Without caching no request has common prefix blocks: the coordinator's answer (all
-        # zeros) holds whoever holds the requests.
-        self._refused = self._PER_REQUEST - (set() if caching else {"get_num_common_prefix_blocks"})
 
-    def __getattr__(self, name: str) -> Any:
-        if name in self._refused:
-            raise NotImplementedError(
-                f"coordinator.{name}: kvcore keeps this configuration's requests in its Rust "
-                "manager; ask the KVCacheManager instead (kvcore.vllm.Scheduler builds the "
-                "manager with a Python coordinator when a KV connector is configured)"
-            )
-        return getattr(self._coordinator, name)
+_FACADES: dict[type, type] = {}
 
 
 class KVCacheManager(_KVCacheManager):
@@ -118,10 +145,14 @@ class KVCacheManager(_KVCacheManager):
             None,
             watermark,
         )
+        refused: frozenset[str] = frozenset()
         if self._native is not None:
-            self.coordinator = _NativeStateCoordinator(  # type: ignore[assignment]
-                self.coordinator, self.enable_caching
+            # The Rust manager holds the requests; without caching no request has common
+            # prefix blocks, so that answer (all zeros) holds whoever holds them.
+            refused = _PER_REQUEST - (
+                set() if self.enable_caching else {"get_num_common_prefix_blocks"}
             )
+        self.coordinator = vllm_coordinator(self.coordinator, refused)
 
     def take_events(self) -> list[Any]:
         """The pool's events as ``vllm.distributed.kv_events`` objects (same fields)."""
