@@ -106,6 +106,24 @@ pub struct BlockPool {
     free_aliases: Vec<u32>,
     aliases: HashMap<BlockId, Vec<u32>>,
     events: Vec<KvEvent>,
+    /// The operations a block-metrics collector follows, while recording is on.
+    block_ops: Option<Vec<BlockOp>>,
+}
+
+/// A pool operation as a per-block metrics collector sees it (vLLM's `KVCacheMetricsCollector`
+/// hooks), recorded in order only while [`BlockPool::record_block_ops`] is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockOp {
+    /// `get_new_blocks` handed the block out.
+    Allocated(BlockId),
+    /// `touch` took a reference on the block (the null block included).
+    Accessed(BlockId),
+    /// The block's prefix-cache keys were dropped, or would have been had it any: every block
+    /// `get_new_blocks` takes with caching on (before its `Allocated`) and every block
+    /// `evict_blocks` names.
+    Evicted(BlockId),
+    /// `reset_prefix_cache` cleared the cache.
+    Reset,
 }
 
 /// What `cache_full_blocks` needs to know about the request's hashes.
@@ -178,6 +196,7 @@ impl BlockPool {
             free_aliases: Vec::new(),
             aliases: HashMap::new(),
             events: Vec::new(),
+            block_ops: None,
         })
     }
 
@@ -614,6 +633,12 @@ impl BlockPool {
             debug_assert_eq!(self.nodes[b as usize].ref_cnt, 0);
             self.nodes[b as usize].ref_cnt = 1;
             out.push(b);
+            if let Some(ops) = &mut self.block_ops {
+                if self.enable_caching {
+                    ops.push(BlockOp::Evicted(b));
+                }
+                ops.push(BlockOp::Allocated(b));
+            }
         }
         Ok(())
     }
@@ -641,6 +666,9 @@ impl BlockPool {
                 self.unlink(b);
             }
             self.nodes[b as usize].ref_cnt += 1;
+        }
+        if let Some(ops) = &mut self.block_ops {
+            ops.extend(blocks.iter().map(|&b| BlockOp::Accessed(b)));
         }
         Ok(())
     }
@@ -951,6 +979,9 @@ impl BlockPool {
             .collect::<Result<Vec<_>, _>>()?;
         for b in checked {
             self.remove_keys(b);
+            if let Some(ops) = &mut self.block_ops {
+                ops.push(BlockOp::Evicted(b));
+            }
         }
         Ok(())
     }
@@ -972,7 +1003,23 @@ impl BlockPool {
         if self.events_enabled {
             self.events.push(KvEvent::AllBlocksCleared);
         }
+        if let Some(ops) = &mut self.block_ops {
+            ops.push(BlockOp::Reset);
+        }
         true
+    }
+
+    /// Starts (`true`) or stops recording [`BlockOp`]s; stopping drops what was not taken.
+    pub fn record_block_ops(&mut self, on: bool) {
+        self.block_ops = on.then(|| self.block_ops.take().unwrap_or_default());
+    }
+
+    /// Hands over the recorded [`BlockOp`]s in order (empty while recording is off).
+    pub fn take_block_ops(&mut self) -> Vec<BlockOp> {
+        self.block_ops
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Whether events are waiting to be taken.

@@ -577,3 +577,48 @@ fn map_1_duplicates_listed_in_insertion_order() {
     assert_eq!((p.blocks_of(&key), p.num_cached_keys()), (vec![], 0));
     assert!(p.check_invariants().is_ok());
 }
+
+#[test]
+fn block_ops_follow_allocation_touch_eviction_and_reset() {
+    let mut p = pool(6);
+    p.get_new_blocks(1).unwrap();
+    assert!(
+        p.take_block_ops().is_empty(),
+        "nothing is recorded while off"
+    );
+    p.record_block_ops(true);
+    let got = p.get_new_blocks(2).unwrap();
+    assert_eq!(got, vec![2, 3]);
+    p.touch(&[0, 2]).unwrap();
+    p.evict_blocks(&[3]).unwrap();
+    assert_eq!(
+        p.take_block_ops(),
+        vec![
+            BlockOp::Evicted(2),
+            BlockOp::Allocated(2),
+            BlockOp::Evicted(3),
+            BlockOp::Allocated(3),
+            BlockOp::Accessed(0),
+            BlockOp::Accessed(2),
+            BlockOp::Evicted(3),
+        ]
+    );
+    // A refused call records nothing.
+    assert!(p.get_new_blocks(10).is_err());
+    assert!(p.touch(&[99]).is_err());
+    assert!(p.take_block_ops().is_empty());
+    p.free_blocks(&[1, 2, 2, 3]).unwrap();
+    assert!(p.reset_prefix_cache());
+    assert_eq!(p.take_block_ops(), vec![BlockOp::Reset]);
+    p.record_block_ops(false);
+    p.get_new_blocks(1).unwrap();
+    assert!(p.take_block_ops().is_empty());
+    // Without caching there is nothing to evict: allocations only.
+    let mut q = BlockPool::new(4, false, 16, false).unwrap();
+    q.record_block_ops(true);
+    q.get_new_blocks(2).unwrap();
+    assert_eq!(
+        q.take_block_ops(),
+        vec![BlockOp::Allocated(1), BlockOp::Allocated(2)]
+    );
+}
