@@ -53,6 +53,8 @@ CASES: dict[str, dict[str, Any]] = {
     "connector-preemption": {"connector": True, "num_blocks": 80},
     "connector-async-deferred-frees": {"connector": True, "async_scheduling": True},
     "connector-swa": {"connector": True, "model": "swa", "num_blocks": 120},
+    "full-metrics": {"metrics_sample": 0.5, "num_blocks": 80},
+    "swa-metrics": {"model": "swa", "metrics_sample": 1.0, "num_blocks": 100},
     # vLLM's Mamba + connector path asks the coordinator itself for per-group hits.
     "connector-mamba": {"connector": True, "model": "mamba"},
     "connector-mamba-align": {"connector": True, "model": "mamba", "mamba_mode": "align"},
@@ -103,6 +105,10 @@ def test_scheduler_outputs_identical(case: str) -> None:
         assert b == a, f"{case}: SchedulerOutput differs at step {step}"
     assert ours.events == ref.events
     assert ours.stats == ref.stats
+    # The metrics collector saw the same blocks (sampled, evicted) as vLLM's pool feeds it.
+    assert ours.metrics == ref.metrics
+    if setup.metrics_sample:
+        assert sum(n for n, _ in ref.metrics) > 0, "no eviction event"
     # The workload exercised what the case is about.
     assert any(o["new"] for o in ref.outputs)
     if setup.caching:
@@ -222,19 +228,8 @@ def test_instance_attributes_match_vllm() -> None:
     assert type(ours.make_prefix_cache_stats()) is type(ref.make_prefix_cache_stats())
 
 
-def test_unknown_spec_and_metrics_collector_raise() -> None:
+def test_unknown_spec_raises() -> None:
     """What kvcore cannot do raises, never a silent approximation."""
-    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
-
-    setup = h.Setup()
-    with pytest.raises(NotImplementedError, match="metrics"):
-        kvcore.vllm.KVCacheManager(
-            h.kv_cache_config(setup),
-            max_model_len=2048,
-            scheduler_block_size=16,
-            hash_block_size=16,
-            metrics_collector=KVCacheMetricsCollector(1.0),
-        )
 
     class BespokeSpec:
         block_size = 16

@@ -30,6 +30,7 @@ from vllm.config import (
     KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
+    ObservabilityConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
@@ -95,6 +96,7 @@ class Setup:
     log_stats: bool = True
     mamba_mode: str = "none"
     connector: bool = False
+    metrics_sample: float = 0.0  # > 0: vLLM's KV cache residency metrics at this sample rate
 
 
 def kv_cache_config(s: Setup) -> KVCacheConfig:
@@ -171,6 +173,10 @@ def vllm_config(s: Setup) -> VllmConfig:
         speculative_config=spec,
         kv_events_config=events,
         kv_transfer_config=transfer,
+        observability_config=ObservabilityConfig(
+            kv_cache_metrics=s.metrics_sample > 0,
+            kv_cache_metrics_sample=s.metrics_sample or 0.01,
+        ),
     )
 
 
@@ -251,6 +257,7 @@ class Trace:
     outputs: list[dict[str, Any]] = field(default_factory=list)
     events: list[bytes] = field(default_factory=list)
     stats: list[Any] = field(default_factory=list)
+    metrics: list[Any] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     steps: int = 0
 
@@ -268,6 +275,7 @@ def run(
 ) -> Trace:
     """Runs the workload through a scheduler of ``scheduler_cls`` to completion."""
     cfg = vllm_config(s)
+    random.seed(w.seed)  # vLLM's metrics collector samples blocks with the global generator
     # A fixed seed makes NONE_HASH, and so every block hash, the same in both runs.
     with unittest.mock.patch.dict(os.environ, {"PYTHONHASHSEED": "0"}):
         init_none_hash(sha256)
@@ -316,6 +324,11 @@ def run(
             stats = eco.scheduler_stats and eco.scheduler_stats.prefix_cache_stats
             if stats is not None:
                 trace.stats.append((type(stats).__module__, dataclasses.asdict(stats)))
+            evictions = eco.scheduler_stats and eco.scheduler_stats.kv_cache_eviction_events
+            if sched.kv_metrics_collector is not None:
+                trace.metrics.append(
+                    (len(evictions or ()), sorted(sched.kv_metrics_collector.block_metrics))
+                )
 
     step = 0
     while step < max_steps:

@@ -7,6 +7,8 @@ from typing_extensions import disjoint_base
 
 __all__ = [
     "AllBlocksCleared",
+    "ArgumentOverflowError",
+    "ArgumentTypeError",
     "BlockIdError",
     "BlockList",
     "BlockPool",
@@ -53,6 +55,12 @@ class BlockStateError(KvcoreError, RuntimeError):
 class InvalidArgumentError(KvcoreError, ValueError, AssertionError):
     """An argument violates a precondition the reference asserts."""
 
+class ArgumentTypeError(KvcoreError, TypeError, AttributeError):
+    """An argument of a type kvcore does not take. Also an AttributeError: the reference fails on such an argument with one or the other, when it looks the object's attributes or methods up."""
+
+class ArgumentOverflowError(KvcoreError, OverflowError, ValueError):
+    """An int argument outside the range kvcore represents (a group id beyond 32 bits)."""
+
 @final
 class KVCacheBlockView:
     """A snapshot of one block's state (SPEC BLK-1)."""
@@ -73,7 +81,10 @@ class BlockList:
     """The read-only sequence behind ``BlockPool.blocks``."""
 
     def __len__(self) -> int: ...
+    @overload
     def __getitem__(self, index: int, /) -> KVCacheBlockView: ...
+    @overload
+    def __getitem__(self, index: slice, /) -> list[KVCacheBlockView]: ...
 
 @final
 class BlockPool:
@@ -123,7 +134,7 @@ class BlockPool:
         block_size: int,
     ) -> bytes | None: ...
     def get_cached_block(
-        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+        self, block_hash: bytes, kv_cache_group_ids: Iterable[int]
     ) -> list[int] | None: ...
     def longest_cached_prefix(
         self,
@@ -135,6 +146,10 @@ class BlockPool:
     def evict_blocks(self, block_ids: Iterable[int]) -> None: ...
     def reset_prefix_cache(self) -> bool: ...
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
+    def record_block_ops(self, on: bool) -> None:
+        """Starts or stops recording the operations a block-metrics collector follows."""
+    def take_block_ops(self) -> list[tuple[int, int]]:
+        """``(kind, block_id)`` in pool order: 0 allocated, 1 accessed, 2 evicted, 3 reset."""
     def get_all_free_block_ids(self) -> list[int]: ...
     def get_ref_cnts(self, block_ids: Iterable[int]) -> list[int]: ...
     def count_evictable(self, block_ids: Iterable[int]) -> int: ...

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 from vllm.distributed import kv_events as _vllm_events
+from vllm.v1.core.kv_cache_utils import KVCacheBlock as _VllmKVCacheBlock
 from vllm.v1.metrics.stats import PrefixCacheStats as _VllmPrefixCacheStats
 
 from kvcore import specs as kv_specs
@@ -130,3 +131,25 @@ def vllm_prefix_cache_stats(stats: PrefixCacheStats) -> Any:
         preempted_queries=stats.preempted_queries,
         preempted_hits=stats.preempted_hits,
     )
+
+
+def feed_metrics(collector: Any, ops: list[tuple[int, int]]) -> None:
+    """Replays the pool's recorded block operations into vLLM's ``KVCacheMetricsCollector``.
+
+    Args:
+        collector: The collector.
+        ops: ``BlockPool.take_block_ops()``: ``(kind, block_id)`` with kind 0 allocated,
+            1 accessed, 2 evicted, 3 reset.
+    """
+    if not ops:
+        return
+    calls = (
+        collector.on_block_allocated,
+        collector.on_block_accessed,
+        collector.on_block_evicted,
+    )
+    for kind, block_id in ops:
+        if kind == 3:
+            collector.reset()
+        else:
+            calls[kind](_VllmKVCacheBlock(block_id))

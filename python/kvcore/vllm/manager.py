@@ -9,10 +9,16 @@ class converts at exactly those points and is otherwise kvcore's ``KVCacheManage
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+from kvcore._native import BlockPool
 from kvcore.manager import KVCacheManager as _KVCacheManager
-from kvcore.vllm._convert import convert_kv_cache_config, vllm_events, vllm_prefix_cache_stats
+from kvcore.vllm._convert import (
+    convert_kv_cache_config,
+    feed_metrics,
+    vllm_events,
+    vllm_prefix_cache_stats,
+)
 
 _PER_REQUEST = frozenset(
     {
@@ -100,12 +106,14 @@ class KVCacheManager(_KVCacheManager):
         enable_kv_cache_events: Whether to queue KV events.
         dcp_world_size: Decode context-parallel world size.
         pcp_world_size: Prefill context-parallel world size.
-        metrics_collector: vLLM's ``KVCacheMetricsCollector``; kvcore collects no per-block
-            residency metrics yet, so a collector is refused (raises) rather than left empty.
+        metrics_collector: vLLM's ``KVCacheMetricsCollector``. The pool then records the
+            operations the collector follows (allocations, accesses, evictions, resets) and
+            ``take_events()``, which vLLM's scheduler calls once per step before it drains the
+            collector, hands them to it in pool order: the same calls vLLM's pool makes, made
+            at the end of the step instead of during it.
         watermark: Fraction of blocks kept free when admitting waiting requests.
 
     Raises:
-        NotImplementedError: A metrics collector was given.
         InvalidConfigError: A spec kvcore does not know, or an inconsistent configuration.
     """
 
@@ -125,11 +133,6 @@ class KVCacheManager(_KVCacheManager):
         metrics_collector: Any = None,
         watermark: float = 0.0,
     ) -> None:
-        if metrics_collector is not None:
-            raise NotImplementedError(
-                "kvcore does not collect KV cache residency metrics "
-                "(--kv-cache-metrics); run without them"
-            )
         super().__init__(
             convert_kv_cache_config(kv_cache_config),
             max_model_len,
@@ -145,6 +148,10 @@ class KVCacheManager(_KVCacheManager):
             None,
             watermark,
         )
+        self._pool = cast(BlockPool, self.block_pool)
+        self.metrics_collector = metrics_collector
+        if metrics_collector is not None:
+            self._pool.record_block_ops(True)
         refused: frozenset[str] = frozenset()
         if self._native is not None:
             # The Rust manager holds the requests; without caching no request has common
@@ -155,7 +162,12 @@ class KVCacheManager(_KVCacheManager):
         self.coordinator = vllm_coordinator(self.coordinator, refused)
 
     def take_events(self) -> list[Any]:
-        """The pool's events as ``vllm.distributed.kv_events`` objects (same fields)."""
+        """The pool's events as ``vllm.distributed.kv_events`` objects (same fields).
+
+        With a metrics collector, first hands it the pool's recorded block operations.
+        """
+        if self.metrics_collector is not None:
+            feed_metrics(self.metrics_collector, self._pool.take_block_ops())
         return vllm_events(super().take_events())
 
     def make_prefix_cache_stats(self) -> Any:

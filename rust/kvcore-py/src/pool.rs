@@ -7,54 +7,70 @@ use kvcore_core::events::{MetaRequest, StoredMeta};
 use kvcore_core::hash::BlockHash;
 use kvcore_core::pool::{BlockId, BlockPool, HashSource};
 use kvcore_core::PoolError;
-use pyo3::exceptions::{PyAssertionError, PyIndexError};
+use pyo3::exceptions::{PyAssertionError, PyIndexError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PySlice, PyTuple};
 
-use crate::errors::{invalid, to_pyerr, Error};
+use crate::args::{group_id_of, int_of, Flag, Int};
+use crate::errors::{error, invalid, to_pyerr, type_error, Error, Kind};
 use crate::events::{events_to_py, py_to_value, use_int_hashes};
 use crate::request::PyRequestCore;
 
+/// One block id of a pool of `num_blocks` blocks: `BlockIdError` for an int that names no
+/// block (of any size: the reference has no such block), `ArgumentTypeError` for a non-int.
+#[inline]
+fn block_id_of(num_blocks: usize, item: &Bound<'_, PyAny>) -> PyResult<BlockId> {
+    if let Ok(v) = item.extract::<i64>() {
+        if v >= 0 && (v as u64) < num_blocks as u64 {
+            return Ok(v as BlockId);
+        }
+    }
+    match int_of(item, "a block id")? {
+        Int::V(v) => Err(to_pyerr(PoolError::BlockOutOfRange {
+            block_id: v,
+            num_blocks,
+        })),
+        _ => Err(error(
+            Kind::BlockId,
+            format!("block id {item} is out of range for a pool of {num_blocks} blocks"),
+        )),
+    }
+}
+
 /// Reads a sequence or iterable of block ids into core ids, checking their range against a
 /// pool of `num_blocks` blocks.
-fn extract_ids(num_blocks: usize, obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
-    let check = |v: i64| -> PyResult<BlockId> {
-        if v < 0 || v as u64 >= num_blocks as u64 {
-            Err(to_pyerr(PoolError::BlockOutOfRange {
-                block_id: v,
-                num_blocks,
-            }))
-        } else {
-            Ok(v as BlockId)
-        }
-    };
+pub(crate) fn extract_ids(num_blocks: usize, obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     if let Ok(list) = obj.downcast::<PyList>() {
         let mut out = Vec::with_capacity(list.len());
         for item in list.iter() {
-            out.push(check(item.extract::<i64>()?)?);
+            out.push(block_id_of(num_blocks, &item)?);
         }
         return Ok(out);
     }
     if let Ok(t) = obj.downcast::<PyTuple>() {
         let mut out = Vec::with_capacity(t.len());
         for item in t.iter() {
-            out.push(check(item.extract::<i64>()?)?);
+            out.push(block_id_of(num_blocks, &item)?);
         }
         return Ok(out);
     }
     let mut out = Vec::new();
     for item in obj.try_iter()? {
-        out.push(check(item?.extract::<i64>()?)?);
+        out.push(block_id_of(num_blocks, &item?)?);
     }
     Ok(out)
 }
 
-/// Reads raw ids (any int) from an iterable, keeping their order.
-fn extract_raw_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+/// Reads the ids of `evict_blocks` from an iterable, keeping their order, each checked as it
+/// is read (the reference checks and evicts id by id): any id outside the pool, of any size,
+/// is a `BlockIdError` (SPEC POOL-20: the reference asserts on an id at or above the pool size
+/// and fails to index one below minus its size; kvcore also refuses the negative ids the
+/// reference reads from the end).
+fn extract_evict_ids(num_blocks: usize, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let mut out = Vec::new();
     for item in obj.try_iter()? {
-        out.push(item?.extract::<i64>()?);
+        out.push(i64::from(block_id_of(num_blocks, &item?)?));
     }
     Ok(out)
 }
@@ -92,7 +108,10 @@ fn num_blocks(slf: &Bound<'_, PyBlockPool>) -> PyResult<usize> {
 
 /// Converts a digest from Python bytes.
 pub fn to_hash(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
-    let b = obj.downcast::<PyBytes>()?.as_bytes();
+    let b = obj
+        .downcast::<PyBytes>()
+        .map_err(|_| type_error("a block hash", "bytes", obj))?
+        .as_bytes();
     BlockHash::from_slice(b).ok_or_else(|| to_pyerr(PoolError::InvalidHash(b.len())))
 }
 
@@ -112,8 +131,7 @@ pub fn stored_meta(
     let native = match request.downcast::<PyRequestCore>() {
         Ok(core) => core
             .try_borrow()?
-            .tokens()
-            .get(token_range.0..token_range.1)
+            .int_window(token_range.0..token_range.1)
             .map(<[i64]>::to_vec),
         Err(_) => None,
     };
@@ -212,15 +230,17 @@ pub struct PyBlockPool {
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events = false, metrics_collector = None))]
+    #[pyo3(signature = (num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events = Flag(false), metrics_collector = None))]
     fn new(
         py: Python<'_>,
         num_gpu_blocks: &Bound<'_, PyAny>,
-        enable_caching: bool,
-        hash_block_size: i64,
-        enable_kv_cache_events: bool,
+        enable_caching: Flag,
+        hash_block_size: &Bound<'_, PyAny>,
+        enable_kv_cache_events: Flag,
         metrics_collector: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let (Flag(enable_caching), Flag(enable_kv_cache_events)) =
+            (enable_caching, enable_kv_cache_events);
         if metrics_collector.is_some_and(|m| !m.is_none()) {
             return Err(invalid(
                 "kvcore's BlockPool does not take a metrics collector",
@@ -235,14 +255,14 @@ impl PyBlockPool {
         let n: i64 = num_gpu_blocks
             .extract()
             .map_err(|_| to_pyerr(PoolError::InvalidPoolSize(i64::MAX)))?;
-        let hbs = usize::try_from(hash_block_size)
-            .ok()
-            .filter(|&v| v > 0)
-            .ok_or_else(|| {
-                invalid(format!(
-                    "hash_block_size must be positive, got {hash_block_size}"
-                ))
-            })?;
+        let hbs = match int_of(hash_block_size, "hash_block_size")? {
+            Int::V(v) if v > 0 && v <= i64::from(u32::MAX) => v as usize,
+            _ => {
+                return Err(invalid(format!(
+                    "hash_block_size must be between 1 and 2**32 - 1, got {hash_block_size}"
+                )))
+            }
+        };
         let inner = py
             .allow_threads(|| BlockPool::new(n, enable_caching, hbs, enable_kv_cache_events))
             .map_err(Error::Pool)?;
@@ -296,14 +316,26 @@ impl PyBlockPool {
         })
     }
 
-    fn get_new_blocks(&mut self, num_blocks: i64) -> PyResult<Vec<u32>> {
-        if num_blocks < 0 {
-            return Err(to_pyerr(PoolError::NegativeCount(num_blocks)));
-        }
-        Ok(self
-            .inner
-            .get_new_blocks(num_blocks as usize)
-            .map_err(Error::Pool)?)
+    fn get_new_blocks(&mut self, num_blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let free = self.inner.get_num_free_blocks();
+        let n = match int_of(num_blocks, "num_blocks")? {
+            Int::V(v) if v < 0 => return Err(to_pyerr(PoolError::NegativeCount(v))),
+            Int::Below => {
+                return Err(error(
+                    Kind::InvalidArgument,
+                    format!("count must be non-negative, got {num_blocks}"),
+                ))
+            }
+            Int::V(v) if (v as u64) <= free as u64 => v as usize,
+            // Checked here, before the core reserves room for the result (SPEC POOL-5).
+            _ => {
+                return Err(error(
+                    Kind::NoFreeBlocks,
+                    format!("cannot get {num_blocks} free blocks from the pool ({free} free)"),
+                ))
+            }
+        };
+        Ok(self.inner.get_new_blocks(n).map_err(Error::Pool)?)
     }
 
     fn touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -331,18 +363,24 @@ impl PyBlockPool {
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         blocks: &Bound<'_, PyAny>,
-        num_cached_blocks: i64,
-        num_full_blocks: i64,
-        block_size: i64,
-        kv_cache_group_id: u32,
-        block_mask: Option<Vec<bool>>,
+        num_cached_blocks: &Bound<'_, PyAny>,
+        num_full_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        kv_cache_group_id: &Bound<'_, PyAny>,
+        block_mask: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let num_cached = non_negative(num_cached_blocks, "num_cached_blocks")?;
-        let num_full = non_negative(num_full_blocks, "num_full_blocks")?;
-        if num_cached >= num_full {
+        // SPEC POOL-13, with Python's comparison (counts of any size).
+        if num_cached_blocks.ge(num_full_blocks)? {
             return Ok(());
         }
-        let bs = non_negative(block_size, "block_size")?;
+        let nc = int_of(num_cached_blocks, "num_cached_blocks")?;
+        let nf = int_of(num_full_blocks, "num_full_blocks")?;
+        if nc.is_negative() || nf.is_negative() {
+            return Err(invalid(format!(
+                "block counts must be non-negative, got num_cached_blocks={num_cached_blocks}, \
+                 num_full_blocks={num_full_blocks}"
+            )));
+        }
         let (n_blocks, hbs, events) = {
             let me = slf.try_borrow()?;
             (
@@ -351,35 +389,81 @@ impl PyBlockPool {
                 me.inner.events_enabled(),
             )
         };
-        if bs == 0 || bs % hbs != 0 {
-            return Err(to_pyerr(PoolError::BlockSizeNotMultiple {
-                block_size: bs,
-                hash_block_size: hbs,
-            }));
-        }
         // Everything the core needs from Python is read first, so that no Python code runs
         // while the pool is borrowed (another thread could then be refused).
-        let seq = blocks.get_item(PySlice::new(py, num_cached as isize, num_full as isize, 1))?;
-        let new_ids = extract_ids(n_blocks, &seq)?;
-        if new_ids.len() != num_full - num_cached {
+        let range = py
+            .get_type::<PySlice>()
+            .call1((num_cached_blocks, num_full_blocks))?;
+        let seq = blocks.get_item(range)?;
+        let seq_len = seq.len()?;
+        let block_mask: Option<Vec<bool>> = match block_mask.filter(|m| !m.is_none()) {
+            None => None,
+            Some(m) => {
+                // SPEC POOL-14; entries are read for their truth value, as the reference does.
+                if m.len()? != seq_len {
+                    return Err(to_pyerr(PoolError::MaskLength {
+                        expected: seq_len,
+                        got: m.len()?,
+                    }));
+                }
+                Some(
+                    m.try_iter()?
+                        .map(|x| x?.is_truthy())
+                        .collect::<PyResult<Vec<bool>>>()?,
+                )
+            }
+        };
+        let bs = match int_of(block_size, "block_size")? {
+            Int::V(v) if v > 0 && v as u64 % hbs as u64 == 0 => usize::try_from(v).ok(),
+            Int::V(v) if v > 0 => {
+                return Err(to_pyerr(PoolError::BlockSizeNotMultiple {
+                    block_size: v as usize,
+                    hash_block_size: hbs,
+                }))
+            }
+            Int::Above => None,
+            _ => {
+                return Err(invalid(format!(
+                    "block_size must be positive, got {block_size}"
+                )))
+            }
+        };
+        let (Some(bs), Int::V(nc), Int::V(nf)) = (bs, nc, nf) else {
+            // A block size or a count beyond 64 bits: the hash view is shorter than the count
+            // (SPEC POOL-15), or the block size is not a multiple of the hash block size.
+            return Err(invalid(format!(
+                "the request has too few block hashes for num_full_blocks={num_full_blocks} \
+                 at block_size={block_size}"
+            )));
+        };
+        let (num_cached, num_full) = (nc as usize, nf as usize);
+        if seq_len != num_full - num_cached {
             return Err(invalid(format!(
                 "the request holds fewer than num_full_blocks={num_full} blocks"
             )));
         }
+        // SPEC POOL-15, then the blocks (the reference reads them after its checks).
         let fine = request.getattr(intern!(py, "block_hashes"))?;
         let k = bs / hbs;
         let view_len = fine.len()? / k;
+        if view_len < num_full {
+            return Err(to_pyerr(PoolError::NotEnoughHashes {
+                needed: num_full,
+                available: view_len,
+            }));
+        }
+        let new_ids = extract_ids(n_blocks, &seq)?;
         let first = if events {
             num_cached.saturating_sub(1)
         } else {
             num_cached
         };
         let mut hashes = Vec::new();
-        if view_len >= num_full {
-            for i in first..num_full {
-                hashes.push(to_hash(&fine.get_item((i + 1) * k - 1)?)?);
-            }
+        for i in first..num_full {
+            hashes.push(to_hash(&fine.get_item((i + 1) * k - 1)?)?);
         }
+        // Read when the reference first builds a key (after the checks above).
+        let kv_cache_group_id = group_id_of(kv_cache_group_id)?;
         let mask_ok = block_mask.as_ref().is_none_or(|m| m.len() == new_ids.len());
         let meta_value = if events && mask_ok {
             let ranges: Vec<(usize, usize)> = new_ids
@@ -429,10 +513,10 @@ impl PyBlockPool {
         slf: &Bound<'py, Self>,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
-        block: i64,
-        num_tokens: i64,
-        kv_cache_group_id: u32,
-        block_size: i64,
+        block: &Bound<'py, PyAny>,
+        num_tokens: &Bound<'py, PyAny>,
+        kv_cache_group_id: &Bound<'py, PyAny>,
+        block_size: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let (n_blocks, hbs, events) = {
             let me = slf.try_borrow()?;
@@ -442,9 +526,41 @@ impl PyBlockPool {
                 me.inner.events_enabled(),
             )
         };
-        let b = extract_ids(n_blocks, PyTuple::new(py, [block])?.as_any())?[0];
-        let nt = non_negative(num_tokens, "num_tokens")?;
-        let bs = non_negative(block_size, "block_size")?;
+        let b = block_id_of(n_blocks, block)?;
+        if b == 0 {
+            return Ok(None); // SPEC POOL-30: the null block, whatever the other arguments
+        }
+        let partial = |m: String| to_pyerr(PoolError::InvalidPartial(m));
+        let nt = match int_of(num_tokens, "num_tokens")? {
+            Int::V(v) if v >= 0 => v as usize,
+            // More tokens than any request has hashes for, or fewer than none.
+            _ => return Err(partial(format!("num_tokens {num_tokens} is out of range"))),
+        };
+        let bs = match int_of(block_size, "block_size")? {
+            Int::V(v) if v >= 0 => v as usize,
+            Int::Above => {
+                // Beyond 64 bits: only its remainder and its size matter (SPEC POOL-30), so
+                // the core gets a stand-in that passes and fails the same checks.
+                if !block_size.rem(hbs)?.eq(0)? {
+                    return Err(to_pyerr(PoolError::BlockSizeNotMultiple {
+                        block_size: usize::MAX,
+                        hash_block_size: hbs,
+                    }));
+                }
+                if nt == 0 {
+                    return Err(partial(format!(
+                        "num_tokens 0 is a multiple of block_size {block_size}: not partial"
+                    )));
+                }
+                hbs * (nt / hbs + 2)
+            }
+            _ => {
+                return Err(partial(format!(
+                    "block_size {block_size} must exceed hash_block_size {hbs}"
+                )))
+            }
+        };
+        let kv_cache_group_id = group_id_of(kv_cache_group_id)?;
         let fine = request.getattr(intern!(py, "block_hashes"))?;
         let num_hashes = fine.len()?;
         // Read what the core may ask for while no borrow is held (see cache_full_blocks).
@@ -491,13 +607,36 @@ impl PyBlockPool {
         Ok(key.map(|k| PyBytes::new(py, &k.to_bytes())))
     }
 
+    /// SPEC POOL-4, reading the groups one by one as the reference does: an empty list gives
+    /// `[]` whatever the hash, a miss returns before later group ids are read, and a hash
+    /// longer than any digest kvcore stores is a miss.
     fn get_cached_block(
         &self,
         block_hash: &Bound<'_, PyAny>,
-        kv_cache_group_ids: Vec<u32>,
+        kv_cache_group_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Vec<u32>>> {
-        let h = to_hash(block_hash)?;
-        Ok(self.inner.get_cached_block(&h, &kv_cache_group_ids))
+        let mut hash: Option<Option<BlockHash>> = None;
+        let mut out = Vec::new();
+        for gid in kv_cache_group_ids.try_iter()? {
+            let gid = group_id_of(&gid?)?;
+            let h = match hash {
+                Some(h) => h,
+                None => {
+                    let b = block_hash
+                        .downcast::<PyBytes>()
+                        .map_err(|_| type_error("block_hash", "bytes", block_hash))?;
+                    *hash.insert(BlockHash::from_slice(b.as_bytes()))
+                }
+            };
+            let Some(h) = h else {
+                return Ok(None);
+            };
+            match self.inner.get_cached_block(&h, &[gid]) {
+                Some(found) => out.extend(found),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(out))
     }
 
     #[pyo3(signature = (block_hashes, max_num_blocks, kv_cache_group_ids, stride = 1))]
@@ -517,7 +656,7 @@ impl PyBlockPool {
     }
 
     fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids = extract_raw_ids(block_ids)?;
+        let ids = extract_evict_ids(num_blocks(slf)?, block_ids)?;
         Ok(slf
             .try_borrow_mut()?
             .inner
@@ -552,6 +691,27 @@ impl PyBlockPool {
         // switch threads: the pool is not borrowed while it does.
         let events = slf.try_borrow_mut()?.inner.take_events();
         events_to_py(py, events, as_int)
+    }
+
+    /// Starts or stops recording the operations a block-metrics collector follows.
+    fn record_block_ops(&mut self, on: bool) {
+        self.inner.record_block_ops(on);
+    }
+
+    /// The recorded operations as `(kind, block_id)` pairs in pool order: kind 0 allocated,
+    /// 1 accessed, 2 evicted, 3 the prefix cache was reset (block id 0).
+    fn take_block_ops(&mut self) -> Vec<(u8, u32)> {
+        use kvcore_core::pool::BlockOp;
+        self.inner
+            .take_block_ops()
+            .into_iter()
+            .map(|op| match op {
+                BlockOp::Allocated(b) => (0, b),
+                BlockOp::Accessed(b) => (1, b),
+                BlockOp::Evicted(b) => (2, b),
+                BlockOp::Reset => (3, 0),
+            })
+            .collect()
     }
 
     fn get_all_free_block_ids(&self) -> Vec<u32> {
@@ -633,23 +793,49 @@ impl BlockList {
         Ok(self.pool.try_borrow(py)?.inner.num_blocks())
     }
 
-    fn __getitem__(&self, py: Python<'_>, index: i64) -> PyResult<KVCacheBlockView> {
+    /// `blocks[i]` (negative `i` counts from the end; an int of any size outside the pool
+    /// raises IndexError, as on a list) or `blocks[a:b:c]`, a list of views.
+    fn __getitem__(&self, py: Python<'_>, index: &Bound<'_, PyAny>) -> PyResult<PyObject> {
         let pool = self.pool.try_borrow(py)?;
-        let n = pool.inner.num_blocks() as i64;
-        let i = if index < 0 { index + n } else { index };
-        if !(0..n).contains(&i) {
+        let n = pool.inner.num_blocks();
+        if let Ok(slice) = index.downcast::<PySlice>() {
+            let ix = slice.indices(n as isize)?;
+            let views = (0..ix.slicelength)
+                .map(|k| view_of(&pool.inner, (ix.start + k as isize * ix.step) as u32))
+                .collect::<Vec<_>>();
+            return Ok(views.into_pyobject(py)?.into_any().unbind());
+        }
+        let i = match int_of(index, "a block index") {
+            Ok(Int::V(v)) if v < 0 => v.checked_add(n as i64).unwrap_or(-1),
+            Ok(Int::V(v)) => v,
+            Ok(_) => -1,
+            Err(_) => {
+                return Err(PyTypeError::new_err(format!(
+                    "block indices must be integers or slices, not {}",
+                    index.get_type().name()?
+                )))
+            }
+        };
+        if !(0..n as i64).contains(&i) {
             return Err(PyIndexError::new_err(format!(
                 "block index {index} out of range for {n} blocks"
             )));
         }
-        let b = i as u32;
-        let key = pool.inner.primary_key(b);
-        Ok(KVCacheBlockView {
-            block_id: b,
-            ref_cnt: pool.inner.ref_cnt(b),
-            block_hash: key.map(|(k, _)| k.to_bytes()),
-            block_hash_num_tokens: key.map(|(_, n)| n),
-        })
+        Ok(view_of(&pool.inner, i as u32)
+            .into_pyobject(py)?
+            .into_any()
+            .unbind())
+    }
+}
+
+/// The view of block `b`.
+fn view_of(pool: &BlockPool, b: u32) -> KVCacheBlockView {
+    let key = pool.primary_key(b);
+    KVCacheBlockView {
+        block_id: b,
+        ref_cnt: pool.ref_cnt(b),
+        block_hash: key.map(|(k, _)| k.to_bytes()),
+        block_hash_num_tokens: key.map(|(_, n)| n),
     }
 }
 
