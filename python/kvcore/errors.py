@@ -9,9 +9,16 @@ both an :class:`AssertionError` and a :class:`ValueError`.
 
 from __future__ import annotations
 
-from kvcore._native import InvalidArgumentError, KvcoreError
+from kvcore._native import (
+    ArgumentOverflowError,
+    ArgumentTypeError,
+    InvalidArgumentError,
+    KvcoreError,
+)
 
 __all__ = [
+    "ArgumentOverflowError",
+    "ArgumentTypeError",
     "InvalidArgumentError",
     "InvalidConfigError",
     "InvariantViolationError",

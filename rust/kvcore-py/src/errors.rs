@@ -19,12 +19,14 @@ struct Classes {
     double_free: Py<PyType>,
     block_state: Py<PyType>,
     invalid_argument: Py<PyType>,
+    argument_type: Py<PyType>,
+    argument_overflow: Py<PyType>,
 }
 
 static CLASSES: GILOnceCell<Classes> = GILOnceCell::new();
 
 /// (name, builtin bases after `KvcoreError`, docstring)
-const SPECS: [(&str, &[&str], &str); 5] = [
+const SPECS: [(&str, &[&str], &str); 7] = [
     (
         "BlockIdError",
         &["IndexError", "AssertionError"],
@@ -49,6 +51,18 @@ const SPECS: [(&str, &[&str], &str); 5] = [
         "InvalidArgumentError",
         &["ValueError", "AssertionError"],
         "An argument violates a precondition the reference asserts.",
+    ),
+    (
+        "ArgumentTypeError",
+        &["TypeError", "AttributeError"],
+        "An argument of a type kvcore does not take. Also an AttributeError: the reference \
+         fails on such an argument with one or the other, when it looks the object's \
+         attributes or methods up.",
+    ),
+    (
+        "ArgumentOverflowError",
+        &["OverflowError", "ValueError"],
+        "An int argument outside the range kvcore represents (a group id beyond 32 bits).",
     ),
 ];
 
@@ -91,13 +105,15 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add(*name, ty.bind(py))?;
     }
     let mut it = made.into_iter();
-    let mut next = || it.next().expect("SPECS has five entries");
+    let mut next = || it.next().expect("SPECS has seven entries");
     let classes = Classes {
         block_id: next(),
         no_free_blocks: next(),
         double_free: next(),
         block_state: next(),
         invalid_argument: next(),
+        argument_type: next(),
+        argument_overflow: next(),
     };
     // A second initialisation of the module (sub-interpreters) keeps the first classes.
     let _ = CLASSES.set(py, classes);
@@ -161,4 +177,49 @@ pub fn to_pyerr(e: PoolError) -> PyErr {
 /// Raises `InvalidArgumentError` with a message.
 pub fn invalid(msg: impl Into<String>) -> PyErr {
     to_pyerr(PoolError::Invalid(msg.into()))
+}
+
+/// The exception classes a binding raises with its own message (not from a core error).
+#[derive(Clone, Copy)]
+pub enum Kind {
+    /// `BlockIdError` (IndexError, AssertionError).
+    BlockId,
+    /// `NoFreeBlocksError` (ValueError).
+    NoFreeBlocks,
+    /// `InvalidArgumentError` (ValueError, AssertionError).
+    InvalidArgument,
+    /// `ArgumentTypeError` (TypeError, AttributeError).
+    ArgumentType,
+    /// `ArgumentOverflowError` (OverflowError, ValueError).
+    ArgumentOverflow,
+}
+
+/// An exception of class `kind` with a message.
+pub fn error(kind: Kind, msg: impl Into<String>) -> PyErr {
+    let msg = msg.into();
+    Python::with_gil(|py| {
+        let Some(c) = CLASSES.get(py) else {
+            return PyAssertionError::new_err(msg);
+        };
+        let ty = match kind {
+            Kind::BlockId => &c.block_id,
+            Kind::NoFreeBlocks => &c.no_free_blocks,
+            Kind::InvalidArgument => &c.invalid_argument,
+            Kind::ArgumentType => &c.argument_type,
+            Kind::ArgumentOverflow => &c.argument_overflow,
+        };
+        PyErr::from_type(ty.bind(py).clone(), msg)
+    })
+}
+
+/// Raises `ArgumentTypeError` naming what was expected and the type given.
+pub fn type_error(what: &str, expected: &str, got: &Bound<'_, PyAny>) -> PyErr {
+    let name = got
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+    error(
+        Kind::ArgumentType,
+        format!("{what} must be {expected}, not {name}"),
+    )
 }

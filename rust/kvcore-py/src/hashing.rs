@@ -198,7 +198,7 @@ pub fn hash_block_tokens<'py>(
         None
     } else if let Ok(b) = parent.downcast_exact::<PyBytes>() {
         conv.note(parent);
-        Some(b.as_bytes())
+        Some(b.as_bytes()).filter(|p| !p.is_empty())
     } else {
         return Ok(None);
     };
@@ -238,10 +238,11 @@ pub fn hash_request_blocks<'py>(
     if block_size == 0 {
         return Err(to_py_err(HashError::ZeroBlockSize));
     }
+    // An empty parent means NONE_HASH, as None does (SPEC HASH-11: `if not parent`).
     let parent_bytes: Option<Vec<u8>> = if parent.is_none() {
         None
     } else if let Ok(b) = parent.downcast_exact::<PyBytes>() {
-        Some(b.as_bytes().to_vec())
+        Some(b.as_bytes().to_vec()).filter(|p| !p.is_empty())
     } else {
         return Ok(None);
     };
@@ -369,8 +370,9 @@ impl PyRequestBlockHasher {
         (start + hbs <= num_tokens).then(|| (start, start + (num_tokens - start) / hbs * hbs))
     }
 
-    /// The parent of block `done` read from the hash list (`Some(None)` for the first block),
-    /// or `None` when it is not bytes (the Python hasher then decides).
+    /// The parent of block `done` read from the hash list (`Some(None)` for the first block,
+    /// and for an empty parent, which the reference replaces by NONE_HASH as it does None), or
+    /// `None` when it is not bytes (the Python hasher then decides).
     fn parent_from_list(
         hashes: &Bound<'_, PyList>,
         done: usize,
@@ -382,7 +384,7 @@ impl PyRequestBlockHasher {
             .get_item(done - 1)?
             .downcast_exact::<PyBytes>()
             .ok()
-            .map(|b| Some(b.as_bytes().to_vec())))
+            .map(|b| Some(b.as_bytes().to_vec()).filter(|p| !p.is_empty())))
     }
 
     /// Hashes the whole blocks of `tokens` chained from `parent` (the GIL released for long
@@ -440,14 +442,13 @@ impl PyRequestBlockHasher {
         self.hash_window(request.py(), parent, tokens)
     }
 
-    /// The new hashes of a kvcore request, read from its native token ids (and its native
-    /// copy of the hashes for the parent when `in_sync`), or `None` for the fallback.
+    /// The new hashes of a kvcore request, read from its native token ids, or `None` for the
+    /// fallback.
     pub(crate) fn new_hashes_of(
         &self,
         request: &Bound<'_, PyRequestCore>,
         hashes: &Bound<'_, PyList>,
         num_tokens: usize,
-        in_sync: bool,
     ) -> PyResult<Option<Vec<BlockHash>>> {
         let done = hashes.len();
         let Some((start, end)) = self.window(done, num_tokens) else {
@@ -457,24 +458,19 @@ impl PyRequestBlockHasher {
             return Ok(None);
         }
         // Copied out, so that no borrow is held while hashing (which may release the GIL).
-        let (tokens, parent) = {
+        let tokens = {
             let this = request.try_borrow()?;
-            let Some(window) = this.tokens().get(start..end) else {
+            // A window past the end, or holding a token that is not an int64 int (hashed by the
+            // Python path as the reference hashes it).
+            let Some(window) = this.int_window(start..end) else {
                 return Ok(None);
             };
-            let parent = match done {
-                0 => Some(None),
-                d if in_sync => this.mirror_at(d - 1).map(|h| Some(h.as_bytes().to_vec())),
-                _ => None,
-            };
-            (window.to_vec(), parent)
+            window.to_vec()
         };
-        let parent = match parent {
-            Some(p) => p,
-            None => match Self::parent_from_list(hashes, done)? {
-                Some(p) => p,
-                None => return Ok(None),
-            },
+        // The parent is read from the list, as the reference reads `block_hashes[-1]` (the
+        // native copy would miss an item replaced in place).
+        let Some(parent) = Self::parent_from_list(hashes, done)? else {
+            return Ok(None);
         };
         self.hash_window(request.py(), parent, tokens)
     }
@@ -509,7 +505,7 @@ impl PyRequestBlockHasher {
             hashes.downcast::<PyList>(),
         ) {
             let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
-            if let Some(out) = self.new_hashes_of(core, h, num_tokens, false)? {
+            if let Some(out) = self.new_hashes_of(core, h, num_tokens)? {
                 return Ok(PyList::new(py, out.iter().map(|x| py_hash(py, x)))?.into_any());
             }
             return self.fallback.bind(py).call1((request,));

@@ -6,13 +6,15 @@
 use kvcore_core::events::{MetaRequest, StoredMeta};
 use kvcore_core::full_attention::{AllocateArgs, RequestView, UnitaryFullAttention};
 use kvcore_core::hash::BlockHash;
-use kvcore_core::pool::{BlockId, HashSource};
+use kvcore_core::pool::{BlockId, BlockPool, HashSource};
+use kvcore_core::PoolError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple};
 
-use crate::errors::{invalid, Error};
-use crate::pool::{cached_prefix, stored_meta, to_hash, PyBlockPool};
+use crate::args::{count_of, id_key, request_id_of, Count, Flag};
+use crate::errors::{invalid, to_pyerr, Error};
+use crate::pool::{cached_prefix, extract_ids, stored_meta, to_hash, PyBlockPool};
 use crate::request::{prefetch_ahead, CoreCast};
 
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
@@ -35,9 +37,85 @@ pub struct PyUnitaryFullAttention {
     empty_blocks: PyObject,
     /// Recognises kvcore requests without pyo3's per-call type check.
     cast: CoreCast,
+    /// The manager's `max_model_len` and watermark (for [`Self::check_external_fits`]).
+    max_model_len: usize,
+    watermark_blocks: usize,
 }
 
 impl PyUnitaryFullAttention {
+    /// Refuses, before anything changes, an allocation whose external-token blocks (SPEC
+    /// STM-5, not capped by `max_model_len`) and new blocks do not fit although the capacity
+    /// checks passed. That happens only when `local + ext` exceeds the capped slot count; the
+    /// reference then raises ValueError from `get_new_blocks` after touching the hits.
+    fn check_external_fits(
+        &self,
+        pool: &BlockPool,
+        req: &RequestView<'_>,
+        args: &AllocateArgs<'_>,
+    ) -> PyResult<()> {
+        let t = &self.core.tables;
+        let ext = args.num_external_computed_tokens;
+        if ext == 0 || t.is_running(req.id) || !t.blocks(req.id).is_empty() {
+            return Ok(()); // nothing external, or a call that changes no table (or refuses)
+        }
+        let mml = self.max_model_len;
+        let local = req
+            .num_computed_tokens
+            .saturating_add(args.num_new_computed_tokens);
+        let total = local.saturating_add(ext).min(mml);
+        let need_slot = total
+            .saturating_add(args.num_new_tokens)
+            .saturating_add(args.num_lookahead_tokens)
+            .min(mml);
+        if local.saturating_add(ext) <= need_slot {
+            return Ok(()); // the capacity check counted every block
+        }
+        let hits = args.new_computed_blocks.unwrap_or(&[]);
+        let wm = if args.has_scheduled_reqs && req.waiting_or_preempted {
+            self.watermark_blocks as i128
+        } else {
+            0
+        };
+        let free = pool.get_num_free_blocks() as i128;
+        // The checks that return None first (SPEC ALLOC-5, ALLOC-7).
+        if args.full_sequence_must_fit {
+            let full = req.num_tokens.min(mml);
+            let need = t
+                .get_num_blocks_to_allocate(pool, req.id, full, hits)
+                .map_err(to_pyerr)?;
+            if need as i128 + wm > free {
+                return Ok(());
+            }
+        }
+        let need = t
+            .get_num_blocks_to_allocate(pool, req.id, need_slot, hits)
+            .map_err(to_pyerr)?;
+        if need as i128 + wm > free - i128::from(args.reserved_blocks) {
+            return Ok(());
+        }
+        // Touching the hits takes the evictable ones out of the queue; then the external and
+        // the new blocks are popped.
+        let mut touched: Vec<BlockId> = hits
+            .iter()
+            .copied()
+            .filter(|&b| b != 0 && pool.ref_cnt(b) == 0)
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        let free = pool.get_num_free_blocks() - touched.len();
+        let bs = t.block_size();
+        let ext_want = local.saturating_add(ext).div_ceil(bs);
+        let pops = ext_want.saturating_sub(hits.len())
+            + need_slot.div_ceil(bs).saturating_sub(hits.len().max(ext_want));
+        if pops > free {
+            return Err(to_pyerr(PoolError::NotEnoughFreeBlocks {
+                requested: pops,
+                free,
+            }));
+        }
+        Ok(())
+    }
+
     fn make_blocks(&self, py: Python<'_>, ids: &[BlockId]) -> PyResult<PyObject> {
         if ids.is_empty() {
             return Ok(self.empty.clone_ref(py));
@@ -58,6 +136,7 @@ impl PyUnitaryFullAttention {
         // A kvcore Request keeps these four fields in its native base: read them directly.
         let core = self.cast.borrow(request)?;
         let id_obj;
+        let id_key_obj;
         let (id, num_tokens, num_computed, status) = if let Some(c) = &core {
             (
                 c.id.as_str(),
@@ -67,16 +146,21 @@ impl PyUnitaryFullAttention {
             )
         } else {
             id_obj = Self::request_id(request)?;
-            let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
-            let num_computed: usize = request
-                .getattr(intern!(py, "num_computed_tokens"))?
-                .extract()?;
+            let num_tokens = count_of(&request.getattr(intern!(py, "num_tokens"))?, "num_tokens")?;
+            let num_computed = count_of(
+                &request.getattr(intern!(py, "num_computed_tokens"))?,
+                "num_computed_tokens",
+            )?;
             let status: i64 = if args.has_scheduled_reqs {
-                request.getattr(intern!(py, "status"))?.extract()?
+                request
+                    .getattr(intern!(py, "status"))?
+                    .extract()
+                    .unwrap_or(-1)
             } else {
                 0
             };
-            (id_obj.to_str()?, num_tokens, num_computed, status)
+            id_key_obj = id_key(&id_obj)?;
+            (&*id_key_obj, num_tokens, num_computed, status)
         };
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
@@ -116,7 +200,33 @@ impl PyUnitaryFullAttention {
         let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
             Ok(stored_meta(py, request, req)?)
         };
+        if !args.delay_cache_blocks && self.pool.try_borrow(py)?.core().enable_caching() {
+            // SPEC POOL-15 before anything changes: the reference asserts on too few hashes
+            // only when it caches, after allocating.
+            let local = num_computed.saturating_add(args.num_new_computed_tokens);
+            let total = local
+                .saturating_add(args.num_external_computed_tokens)
+                .min(self.max_model_len);
+            let full = total.saturating_add(args.num_new_tokens).min(num_tokens)
+                / self.core.tables.block_size();
+            let have = match mirror() {
+                Some(m) => m.len(),
+                None => fetch()?.len()?,
+            };
+            if have < full {
+                let cached = match self.core.tables.get(id).and_then(|r| r.num_cached) {
+                    Some(c) => c,
+                    None => args.new_computed_blocks.map_or(0, <[BlockId]>::len),
+                };
+                if cached < full {
+                    return Err(invalid(format!(
+                        "request {id} has {have} block hashes, too few for its {full} full blocks"
+                    )));
+                }
+            }
+        }
         let mut pool = self.pool.try_borrow_mut(py)?;
+        self.check_external_fits(pool.core(), &view, &args)?;
         let res = self.core.allocate_slots::<Error>(
             pool.core_mut(),
             view,
@@ -142,9 +252,8 @@ impl PyUnitaryFullAttention {
     }
 
     fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-        Ok(request
-            .getattr(intern!(request.py(), "request_id"))?
-            .downcast_into::<PyString>()?)
+        let id = request.getattr(intern!(request.py(), "request_id"))?;
+        Ok(request_id_of(&id)?.clone())
     }
 }
 
@@ -183,6 +292,8 @@ impl PyUnitaryFullAttention {
             empty,
             empty_blocks,
             cast: CoreCast::default(),
+            max_model_len: mml,
+            watermark_blocks: wm,
         })
     }
 
@@ -202,10 +313,18 @@ impl PyUnitaryFullAttention {
         }
         let bs = self.core.tables.block_size();
         let core = self.cast.borrow(request)?;
+        let num_tokens = match &core {
+            Some(c) => count(c.num_tokens, "num_tokens")?,
+            None => count_of(&request.getattr(intern!(py, "num_tokens"))?, "num_tokens")?,
+        };
+        if num_tokens == 0 {
+            // The reference's walk over `num_tokens - 1` tokens raises ValueError (islice).
+            return Err(invalid("a request without tokens has no prefix to look up"));
+        }
         let mirror = core.as_ref().and_then(|c| c.mirrored_hashes(py));
         let mut hit = match (&core, mirror) {
-            (Some(c), Some(m)) => {
-                let max_blocks = count(c.num_tokens, "num_tokens")?.saturating_sub(1) / bs;
+            (Some(_), Some(m)) => {
+                let max_blocks = (num_tokens - 1) / bs;
                 let walk = m.iter().take(max_blocks).copied();
                 pool.core()
                     .longest_cached_prefix(walk, &[0])
@@ -213,9 +332,8 @@ impl PyUnitaryFullAttention {
                     .unwrap_or_default()
             }
             _ => {
-                let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
                 let hashes = request.getattr(intern!(py, "block_hashes"))?;
-                let max_blocks = num_tokens.saturating_sub(1) / bs;
+                let max_blocks = (num_tokens - 1) / bs;
                 cached_prefix(pool.core(), &hashes, max_blocks, &[0], 1)?
                     .pop()
                     .unwrap_or_default()
@@ -229,27 +347,33 @@ impl PyUnitaryFullAttention {
     }
 
     /// SPEC ALLOC-1..12 in one call; see `KVCacheManager.allocate_slots`.
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = 0, new_computed_blocks = None, num_lookahead_tokens = 0, num_external_computed_tokens = 0, delay_cache_blocks = false, num_encoder_tokens = 0, full_sequence_must_fit = false, reserved_blocks = 0, has_scheduled_reqs = true))]
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = Count(0), new_computed_blocks = None, num_lookahead_tokens = Count(0), num_external_computed_tokens = Count(0), delay_cache_blocks = Flag(false), num_encoder_tokens = Count(0), full_sequence_must_fit = Flag(false), reserved_blocks = Count(0), has_scheduled_reqs = Flag(true)))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
         &mut self,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
-        num_new_tokens: i64,
-        num_new_computed_tokens: i64,
+        num_new_tokens: Count,
+        num_new_computed_tokens: Count,
         new_computed_blocks: Option<&Bound<'_, PyAny>>,
-        num_lookahead_tokens: i64,
-        num_external_computed_tokens: i64,
-        delay_cache_blocks: bool,
-        num_encoder_tokens: i64,
-        full_sequence_must_fit: bool,
-        reserved_blocks: i64,
-        has_scheduled_reqs: bool,
+        num_lookahead_tokens: Count,
+        num_external_computed_tokens: Count,
+        delay_cache_blocks: Flag,
+        num_encoder_tokens: Count,
+        full_sequence_must_fit: Flag,
+        reserved_blocks: Count,
+        has_scheduled_reqs: Flag,
     ) -> PyResult<Option<PyObject>> {
-        let _ = count(num_encoder_tokens, "num_encoder_tokens")?;
-        if reserved_blocks < 0 {
-            return Err(invalid("reserved_blocks must be non-negative"));
-        }
+        // Counts of any size (saturated far above any pool or sequence, see `COUNT_CAP`), flags
+        // by their truth value, as the reference reads them.
+        let _ = num_encoder_tokens;
+        let (Count(num_new_tokens), Count(num_new_computed_tokens)) =
+            (num_new_tokens, num_new_computed_tokens);
+        let (Count(num_lookahead_tokens), Count(num_external_computed_tokens)) =
+            (num_lookahead_tokens, num_external_computed_tokens);
+        let reserved_blocks = reserved_blocks.0 as i64;
+        let (Flag(delay_cache_blocks), Flag(full_sequence_must_fit), Flag(has_scheduled_reqs)) =
+            (delay_cache_blocks, full_sequence_must_fit, has_scheduled_reqs);
         // Hits: None or the shared empty instance mean "no hits object" (ALLOC-8).
         let mut hit_ids: Vec<BlockId> = Vec::new();
         let mut hits_given = false;
@@ -263,21 +387,15 @@ impl PyUnitaryFullAttention {
                     ));
                 }
                 let pool = self.pool.try_borrow(py)?;
-                for b in groups.get_item(0)?.try_iter()? {
-                    let id: i64 = b?.extract()?;
-                    hit_ids.push(pool.core().check_id(id).map_err(Error::Pool)?);
-                }
+                hit_ids = extract_ids(pool.core().num_blocks(), &groups.get_item(0)?)?;
             }
         }
         let args = AllocateArgs {
-            num_new_tokens: count(num_new_tokens, "num_new_tokens")?,
-            num_new_computed_tokens: count(num_new_computed_tokens, "num_new_computed_tokens")?,
+            num_new_tokens,
+            num_new_computed_tokens,
             new_computed_blocks: hits_given.then_some(hit_ids.as_slice()),
-            num_lookahead_tokens: count(num_lookahead_tokens, "num_lookahead_tokens")?,
-            num_external_computed_tokens: count(
-                num_external_computed_tokens,
-                "num_external_computed_tokens",
-            )?,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
             delay_cache_blocks,
             full_sequence_must_fit,
             reserved_blocks,
@@ -292,19 +410,19 @@ impl PyUnitaryFullAttention {
     /// `allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)` for each pair
     /// in order, stopping at the first request that does not fit; see
     /// `KVCacheManager.allocate_slots_batch`.
-    #[pyo3(signature = (requests, num_new_tokens, num_lookahead_tokens = 0, allow_none = false))]
+    #[pyo3(signature = (requests, num_new_tokens, num_lookahead_tokens = Count(0), allow_none = Flag(false)))]
     fn allocate_slots_batch<'py>(
         &mut self,
         py: Python<'py>,
         requests: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
-        num_lookahead_tokens: i64,
-        allow_none: bool,
+        num_lookahead_tokens: Count,
+        allow_none: Flag,
     ) -> PyResult<Bound<'py, PyList>> {
-        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let (Count(lookahead), Flag(allow_none)) = (num_lookahead_tokens, allow_none);
         let counts = num_new_tokens
             .try_iter()?
-            .map(|n| count(n?.extract::<i64>()?, "num_new_tokens"))
+            .map(|n| count_of(&n?, "num_new_tokens"))
             .collect::<PyResult<Vec<usize>>>()?;
         if requests.len()? != counts.len() {
             return Err(invalid(format!(
@@ -349,28 +467,30 @@ impl PyUnitaryFullAttention {
         Ok(self
             .core
             .tables
-            .free(pool.core_mut(), id.to_str()?)
+            .free(pool.core_mut(), &id_key(&id)?)
             .map_err(Error::Pool)?)
     }
 
     /// SPEC MGR-21: the request's blocks in allocation order, not freed.
     fn pop_blocks_for_free(&mut self, request: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
         let id = Self::request_id(request)?;
-        Ok(self.core.tables.pop(id.to_str()?))
+        Ok(self.core.tables.pop(&id_key(&id)?))
     }
 
     /// SPEC MGR-25.
-    fn get_blocks(&self, py: Python<'_>, request_id: &str) -> PyResult<PyObject> {
-        self.make_blocks(py, self.core.tables.blocks(request_id))
+    fn get_blocks(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<PyObject> {
+        let id = id_key(request_id_of(request_id)?)?;
+        self.make_blocks(py, self.core.tables.blocks(&id))
     }
 
     /// SPEC MGR-25: a fresh list per group.
     fn get_block_ids<'py>(
         &self,
         py: Python<'py>,
-        request_id: &str,
+        request_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let list = PyList::new(py, self.core.tables.blocks(request_id))?;
+        let id = id_key(request_id_of(request_id)?)?;
+        let list = PyList::new(py, self.core.tables.blocks(&id))?;
         PyTuple::new(py, [list])
     }
 
@@ -378,11 +498,12 @@ impl PyUnitaryFullAttention {
     fn get_block_ids_for_computed_tokens<'py>(
         &self,
         py: Python<'py>,
-        request_id: &str,
-        num_computed_tokens: i64,
+        request_id: &Bound<'py, PyAny>,
+        num_computed_tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let n = count(num_computed_tokens, "num_computed_tokens")?;
-        let blocks = self.core.tables.blocks(request_id);
+        let id = id_key(request_id_of(request_id)?)?;
+        let n = count_of(num_computed_tokens, "num_computed_tokens")?;
+        let blocks = self.core.tables.blocks(&id);
         let keep = n.div_ceil(self.core.tables.block_size()).min(blocks.len());
         PyTuple::new(py, [PyList::new(py, &blocks[..keep])?])
     }
@@ -391,13 +512,14 @@ impl PyUnitaryFullAttention {
     fn get_num_common_prefix_blocks(
         &mut self,
         py: Python<'_>,
-        request_id: &str,
+        request_id: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<usize>> {
+        let id = id_key(request_id_of(request_id)?)?;
         let pool = self.pool.try_borrow(py)?;
         Ok(vec![self
             .core
             .tables
-            .get_num_common_prefix_blocks(pool.core(), request_id)])
+            .get_num_common_prefix_blocks(pool.core(), &id)])
     }
 
     /// SPEC STM-6 through the manager (MGR-27); the caller checks that caching is on.
@@ -405,11 +527,23 @@ impl PyUnitaryFullAttention {
         &mut self,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
-        num_computed_tokens: i64,
+        num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let n = count(num_computed_tokens, "num_computed_tokens")?;
+        let n = count_of(num_computed_tokens, "num_computed_tokens")?;
         let id_obj = Self::request_id(request)?;
-        let id = id_obj.to_str()?;
+        let id = id_key(&id_obj)?;
+        // Refused before the core looks the request up (which creates its entry): a request
+        // must hold the blocks it caches (the reference fails on the missing blocks with
+        // IndexError when events are on, and caches nothing for them otherwise).
+        let tables = &self.core.tables;
+        let full = n / tables.block_size();
+        let cached = tables.get(&id).and_then(|r| r.num_cached).unwrap_or(0);
+        if cached < full && tables.blocks(&id).len() < full {
+            return Err(invalid(format!(
+                "request {id_obj} holds {} blocks, fewer than the {full} full ones",
+                tables.blocks(&id).len()
+            )));
+        }
         let hashes = request.getattr(intern!(py, "block_hashes"))?;
         let len = hashes.len()?;
         let mut get = |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&hashes.get_item(i)?)?) };
@@ -419,7 +553,7 @@ impl PyUnitaryFullAttention {
         let mut pool = self.pool.try_borrow_mut(py)?;
         Ok(self.core.tables.cache_blocks::<Error>(
             pool.core_mut(),
-            id,
+            &id,
             n,
             HashSource {
                 len: &mut || Ok(len),
@@ -440,12 +574,14 @@ impl PyUnitaryFullAttention {
     }
 
     /// Whether the request is running (has a cached-block count).
-    fn is_running(&self, request_id: &str) -> bool {
-        self.core.tables.is_running(request_id)
+    fn is_running(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let id = id_key(request_id_of(request_id)?)?;
+        Ok(self.core.tables.is_running(&id))
     }
 
     /// The request's cached-block count, or None when it is not running.
-    fn num_cached_blocks(&self, request_id: &str) -> Option<usize> {
-        self.core.tables.get(request_id).and_then(|r| r.num_cached)
+    fn num_cached_blocks(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        let id = id_key(request_id_of(request_id)?)?;
+        Ok(self.core.tables.get(&id).and_then(|r| r.num_cached))
     }
 }

@@ -13,12 +13,13 @@ use kvcore_core::full_attention::SlotHint;
 use kvcore_core::hash::BlockHash;
 use kvcore_core::prefetch::{prefetch, prefetch_lines};
 use pyo3::basic::CompareOp;
-use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyIterator, PyList, PySlice, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 
+use crate::args::id_key;
 use crate::blocks::eq_result;
 use crate::hashing::{exact_int, list_tokens, py_hash, tokens_of, PyRequestBlockHasher};
 use crate::pool::to_hash;
@@ -42,8 +43,14 @@ pub struct PyRequestCore {
     /// Token count at which the next hash block is full.
     #[pyo3(get, set, name = "_next_hash_at")]
     next_hash_at: i64,
-    /// Prompt and output token ids (`all_token_ids` is a view of them).
+    /// Prompt and output token ids (`all_token_ids` is a view of them); 0 (or the int's
+    /// value) where `exotic` holds the token.
     tokens: Vec<i64>,
+    /// The tokens that are not exact ints of the int64 range (a bool, an int subclass, an int
+    /// beyond 64 bits, any other object the reference would store), by position, in order.
+    /// They are kept as given, so that views and hashes see what the reference sees; a
+    /// window holding one is hashed and reported by the Python paths. Empty in practice.
+    exotic: Vec<(usize, PyObject)>,
     /// Where the Rust manager last found this request's block table (skips the id lookup).
     pub(crate) table_hint: HintCell,
     /// A native copy of `block_hashes`, kept as hashes are appended through this object; the
@@ -115,6 +122,7 @@ impl PyRequestCore {
             status: py.None(),
             status_value: -1,
             tokens: Vec::new(),
+            exotic: Vec::new(),
             output_start: 0,
             block_hashes: PyList::empty(py).into_any().unbind(),
             mirror: Vec::new(),
@@ -132,6 +140,9 @@ impl PyRequestCore {
         visit.call(&self.status)?;
         visit.call(&self.block_hashes)?;
         visit.call(&self.block_hasher)?;
+        for (_, obj) in &self.exotic {
+            visit.call(obj)?;
+        }
         Ok(())
     }
 
@@ -143,6 +154,7 @@ impl PyRequestCore {
             self.block_hasher = py.None();
             self.mirror.clear();
         });
+        self.exotic.clear();
     }
 
     #[setter]
@@ -159,7 +171,7 @@ impl PyRequestCore {
 
     #[setter]
     fn set_request_id(&mut self, value: Bound<'_, PyString>) -> PyResult<()> {
-        self.id = value.to_str()?.to_owned();
+        self.id = id_key(&value)?.into_owned();
         self.request_id = value.unbind();
         self.table_hint.set(None);
         Ok(())
@@ -211,10 +223,11 @@ impl PyRequestCore {
     #[setter(_all_token_ids)]
     fn set_all(slf: &Bound<'_, Self>, value: Bound<'_, PyAny>) -> PyResult<()> {
         // Read before borrowing: iterating may run Python code.
-        let tokens = token_vec(&value)?;
+        let (tokens, exotic) = token_vec(&value)?;
         let mut this = slf.try_borrow_mut()?;
         this.output_start = tokens.len();
         this.tokens = tokens;
+        this.exotic = exotic;
         Ok(())
     }
 
@@ -226,10 +239,13 @@ impl PyRequestCore {
     /// Replaces the output tokens (the token ids after the prompt).
     #[setter(_output_token_ids)]
     fn set_output(slf: &Bound<'_, Self>, value: Bound<'_, PyAny>) -> PyResult<()> {
-        let tokens = token_vec(&value)?;
+        let (tokens, exotic) = token_vec(&value)?;
         let mut this = slf.try_borrow_mut()?;
         let start = this.output_start.min(this.tokens.len());
         this.tokens.truncate(start);
+        this.exotic.retain(|(i, _)| *i < start);
+        this.exotic
+            .extend(exotic.into_iter().map(|(i, obj)| (start + i, obj)));
         this.tokens.extend_from_slice(&tokens);
         Ok(())
     }
@@ -308,9 +324,17 @@ impl PyRequestCore {
         (list.len() == self.mirror.len()).then_some(self.mirror.as_slice())
     }
 
-    /// The token ids, read-only (for the block hasher and event metadata).
-    pub(crate) fn tokens(&self) -> &[i64] {
-        &self.tokens
+    /// The token ids `range` as ints, or `None` when the range is past the end or holds a
+    /// token that is not an int64 int (the callers then take the Python path).
+    pub(crate) fn int_window(&self, range: std::ops::Range<usize>) -> Option<&[i64]> {
+        if self
+            .exotic
+            .iter()
+            .any(|(i, _)| range.start <= *i && *i < range.end)
+        {
+            return None;
+        }
+        self.tokens.get(range)
     }
 
     /// Prefetches where the next token id goes (a batch's second stage).
@@ -318,23 +342,28 @@ impl PyRequestCore {
         prefetch(self.tokens.as_ptr().wrapping_add(self.tokens.len()));
     }
 
-    /// The native copy of hash `i` (callers check that the copy matches the list).
-    pub(crate) fn mirror_at(&self, i: usize) -> Option<&BlockHash> {
-        self.mirror.get(i)
-    }
 
     /// `append_output_token_ids` without a Python call.
     fn append_one(slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let need_hash = if let Ok(tok) = token_ids.downcast::<PyInt>() {
-            let value = token_value(tok)?;
             let mut this = slf.try_borrow_mut()?;
-            this.tokens.push(value);
+            match exact_int(tok.as_any()) {
+                Some(value) => this.tokens.push(value),
+                None => {
+                    let at = this.tokens.len();
+                    this.tokens.push(tok.extract::<i64>().unwrap_or(0));
+                    this.exotic.push((at, tok.clone().into_any().unbind()));
+                }
+            }
             this.num_tokens = this.tokens.len() as i64;
             this.num_tokens >= this.next_hash_at
         } else {
             // Iterating may run Python code: no borrow is held while it does.
-            let values = token_vec(token_ids)?;
+            let (values, exotic) = token_vec(token_ids)?;
             let mut this = slf.try_borrow_mut()?;
+            let at = this.tokens.len();
+            this.exotic
+                .extend(exotic.into_iter().map(|(i, obj)| (at + i, obj)));
             this.tokens.extend_from_slice(&values);
             this.num_tokens = this.tokens.len() as i64;
             this.num_tokens >= this.next_hash_at
@@ -368,7 +397,7 @@ impl PyRequestCore {
         let mut done = false;
         if let (Ok(native), Some(list)) = (hasher.downcast::<PyRequestBlockHasher>(), list) {
             let n = usize::try_from(num_tokens).unwrap_or(0);
-            if let Some(new) = native.get().new_hashes_of(slf, list, n, in_sync)? {
+            if let Some(new) = native.get().new_hashes_of(slf, list, n)? {
                 for h in &new {
                     list.append(py_hash(py, h))?;
                 }
@@ -512,19 +541,14 @@ fn list_item_addr(list: &Bound<'_, PyList>, i: usize) -> *const u8 {
     }
 }
 
-/// One token id: an int in the int64 range (an int subclass counts as its value).
-fn token_value(tok: &Bound<'_, PyInt>) -> PyResult<i64> {
-    if let Some(v) = exact_int(tok.as_any()) {
-        return Ok(v);
-    }
-    tok.extract::<i64>()
-        .map_err(|_| PyValueError::new_err(format!("token id {tok} is outside the int64 range")))
-}
+/// Token ids read from a list, tuple or any iterable, before anything changes: the int64
+/// values, and the tokens that are not exact int64 ints by their position in `obj`.
+type TokenRead = (Vec<i64>, Vec<(usize, PyObject)>);
 
-/// Token ids from a list, tuple or any iterable of ints, read before anything changes.
-fn token_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+/// Token ids from a list, tuple or any iterable (see [`TokenRead`]).
+fn token_vec(obj: &Bound<'_, PyAny>) -> PyResult<TokenRead> {
     // Lists and tuples of exact int64 ints are read borrowed; anything else (an int subclass,
-    // a bad item, another iterable) goes through the iterator, which names what is wrong.
+    // another object, another iterable) goes through the iterator.
     let fast = if let Ok(list) = obj.downcast_exact::<PyList>() {
         list_tokens(list, 0, list.len())
     } else if let Ok(tuple) = obj.downcast_exact::<PyTuple>() {
@@ -533,27 +557,26 @@ fn token_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         None
     };
     match fast {
-        Some(tokens) => Ok(tokens),
+        Some(tokens) => Ok((tokens, Vec::new())),
         None => token_iter(obj),
     }
 }
 
 /// [`token_vec`] through the iterator protocol.
-fn token_iter(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+fn token_iter(obj: &Bound<'_, PyAny>) -> PyResult<TokenRead> {
     let mut out = Vec::new();
+    let mut exotic = Vec::new();
     for item in obj.try_iter()? {
         let item = item?;
-        let tok = item.downcast::<PyInt>().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "token ids must be ints, got {}",
-                item.get_type()
-                    .name()
-                    .map_or_else(|_| "?".into(), |n| n.to_string())
-            ))
-        })?;
-        out.push(token_value(tok)?);
+        match exact_int(&item) {
+            Some(v) => out.push(v),
+            None => {
+                exotic.push((out.len(), item.clone().unbind()));
+                out.push(item.extract::<i64>().unwrap_or(0));
+            }
+        }
     }
-    Ok(out)
+    Ok((out, exotic))
 }
 
 /// `Request.all_token_ids` and `Request.output_token_ids`: live, read-only views of a
@@ -568,27 +591,53 @@ pub struct PyTokenIds {
 }
 
 impl PyTokenIds {
-    /// Runs `f` on the viewed token ids.
-    fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&[i64]) -> R) -> PyResult<R> {
+    /// Runs `f` on the request and the index where the view starts.
+    fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&PyRequestCore, usize) -> R) -> PyResult<R> {
         let this = self.req.bind(py).try_borrow()?;
         let start = if self.output {
             this.output_start.min(this.tokens.len())
         } else {
             0
         };
-        Ok(f(&this.tokens[start..]))
+        Ok(f(&this, start))
+    }
+
+    /// The request's tokens `[a, b)` as a new list, exotic tokens as they were given.
+    fn list_of<'py>(
+        py: Python<'py>,
+        this: &PyRequestCore,
+        a: usize,
+        b: usize,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::new(py, &this.tokens[a..b])?;
+        for (i, obj) in &this.exotic {
+            if a <= *i && *i < b {
+                list.set_item(i - a, obj.clone_ref(py))?;
+            }
+        }
+        Ok(list)
+    }
+
+    /// Token `i` of the request as a Python object.
+    fn item<'py>(py: Python<'py>, this: &PyRequestCore, i: usize) -> PyResult<Bound<'py, PyAny>> {
+        if let Ok(k) = this.exotic.binary_search_by_key(&i, |(j, _)| *j) {
+            return Ok(this.exotic[k].1.bind(py).clone());
+        }
+        Ok(this.tokens[i].into_pyobject(py)?.into_any())
     }
 
     /// The viewed token ids as a new list.
     fn tail<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        self.with(py, |t| PyList::new(py, t))?
+        self.with(py, |this, start| {
+            Self::list_of(py, this, start, this.tokens.len())
+        })?
     }
 }
 
 #[pymethods]
 impl PyTokenIds {
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, <[i64]>::len)
+        self.with(py, |this, start| this.tokens.len() - start)
     }
 
     fn __getitem__<'py>(
@@ -597,26 +646,28 @@ impl PyTokenIds {
         index: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         if let Ok(i) = index.extract::<isize>() {
-            let got = self.with(py, |t| {
-                let n = t.len() as isize;
+            return self.with(py, |this, start| {
+                let n = (this.tokens.len() - start) as isize;
                 let j = if i < 0 { i + n } else { i };
-                (0..n).contains(&j).then(|| t[j as usize])
+                if (0..n).contains(&j) {
+                    Self::item(py, this, start + j as usize)
+                } else {
+                    Err(PyIndexError::new_err("token index out of range"))
+                }
             })?;
-            return match got {
-                Some(v) => Ok(v.into_pyobject(py)?.into_any()),
-                None => Err(PyIndexError::new_err("token index out of range")),
-            };
         }
         if let Ok(slice) = index.downcast::<PySlice>() {
             // Only the selected items become ints (the hasher and the event path slice windows).
-            return self.with(py, |t| -> PyResult<Bound<'py, PyAny>> {
-                let ix = slice.indices(t.len() as isize)?;
+            return self.with(py, |this, start| -> PyResult<Bound<'py, PyAny>> {
+                let n = this.tokens.len() - start;
+                let ix = slice.indices(n as isize)?;
                 if ix.step == 1 {
                     let (a, b) = (ix.start as usize, ix.stop.max(ix.start) as usize);
-                    return Ok(PyList::new(py, &t[a..b])?.into_any());
+                    return Ok(Self::list_of(py, this, start + a, start + b)?.into_any());
                 }
-                let picked =
-                    (0..ix.slicelength).map(|k| t[(ix.start + k as isize * ix.step) as usize]);
+                let picked = (0..ix.slicelength)
+                    .map(|k| Self::item(py, this, start + (ix.start + k as isize * ix.step) as usize))
+                    .collect::<PyResult<Vec<_>>>()?;
                 Ok(PyList::new(py, picked)?.into_any())
             })?;
         }
