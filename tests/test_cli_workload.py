@@ -19,6 +19,7 @@ from kvcore.simulate.trace import TraceError, TraceWorkload, load_trace, parse_t
 from kvcore.simulate.workload import (
     ChatWorkloadParams,
     HitBound,
+    KeySet,
     RequestSpec,
     SpecList,
     SyntheticChat,
@@ -243,3 +244,18 @@ def test_tokens_sequence() -> None:
     with pytest.raises(TypeError):
         hash(t)
     assert "5 tokens" in repr(t)
+
+
+def test_key_set_matches_a_set() -> None:
+    rng = random.Random(7)
+    keys = [rng.getrandbits(64) - 2**63 for _ in range(5000)] + [0, 1, -1, 2**63 - 1, -(2**63)]
+    got = KeySet(4)
+    want: set[int] = set()
+    for key in keys + keys[:500]:
+        assert got.add(key) == ((key or 1) not in want)  # 0 and 1 share a slot
+        want.add(key or 1)
+    assert len(got) == len(want)
+    assert all(key in got for key in keys)
+    assert 12345 not in got and "x" not in got
+    with pytest.raises(ValueError, match="power of two"):
+        KeySet(3)

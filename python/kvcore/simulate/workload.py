@@ -461,6 +461,78 @@ def synthetic_chat(params: ChatWorkloadParams) -> list[RequestSpec]:
     return [spec for _, spec in SyntheticChat(params).releases()]
 
 
+class KeySet:
+    """A set of 64-bit integer keys in one flat array (open addressing, linear probing).
+
+    A Python ``set`` of ints costs an int object and a slot per key, and millions of
+    long-lived small objects scattered among short-lived ones keep memory that is freed
+    around them from being reused; here a key costs 16 to 32 bytes of one array.
+
+    Args:
+        capacity: Initial number of slots (a power of two).
+    """
+
+    __slots__ = ("_count", "_mask", "_table")
+
+    def __init__(self, capacity: int = 1024) -> None:
+        if capacity < 2 or capacity & (capacity - 1):
+            raise ValueError("capacity must be a power of two >= 2")
+        self._table = array("q", bytes(8 * capacity))
+        self._mask = capacity - 1
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, int):
+            return False
+        k = key or 1  # 0 marks an empty slot
+        table = self._table
+        mask = self._mask
+        i = k & mask
+        while True:
+            v = table[i]
+            if v == k:
+                return True
+            if v == 0:
+                return False
+            i = (i + 1) & mask
+
+    def add(self, key: int) -> bool:
+        """Adds a key (a signed 64-bit integer); returns whether it was new."""
+        k = key or 1  # 0 marks an empty slot (0 and 1 count as one key)
+        table = self._table
+        mask = self._mask
+        i = k & mask
+        while True:
+            v = table[i]
+            if v == k:
+                return False
+            if v == 0:
+                break
+            i = (i + 1) & mask
+        table[i] = k
+        self._count += 1
+        if 2 * self._count > mask:  # at most half full
+            self._grow()
+        return True
+
+    def _grow(self) -> None:
+        old = self._table
+        size = 2 * len(old)
+        table = array("q", bytes(8 * size))
+        mask = size - 1
+        for k in old:
+            if k:
+                i = k & mask
+                while table[i]:
+                    i = (i + 1) & mask
+                table[i] = k
+        self._table = table
+        self._mask = mask
+
+
 @dataclass(slots=True)
 class HitBound:
     """The prefix hit rate an unlimited cache would give, computed as requests come.
@@ -474,9 +546,10 @@ class HitBound:
     as its blocks' keys only, until every earlier one was added.
 
     A block is known by a 64-bit key chained over the blocks before it (Python's hash of the
-    parent's key and the block's tokens, which does not depend on ``PYTHONHASHSEED``), so the
-    memory is one small int per distinct block. Two different prefixes sharing a key would
-    count one spurious hit; with ``n`` distinct blocks the chance is about ``n**2 / 2**65``.
+    parent's key and the block's tokens, which does not depend on ``PYTHONHASHSEED``), kept in
+    a :class:`KeySet`: 16 to 32 bytes per distinct block. Two different prefixes sharing a key
+    would count one spurious hit; with ``n`` distinct blocks the chance is about
+    ``n**2 / 2**64``.
 
     Args:
         block_size: Tokens per block (the hash block size).
@@ -488,7 +561,7 @@ class HitBound:
     hit_tokens: int = 0
     prompt_tokens: int = 0
     added: int = 0
-    _seen: set[int] = field(default_factory=set)
+    _seen: KeySet = field(default_factory=lambda: KeySet())
     _early: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)
 
     @property
@@ -518,13 +591,12 @@ class HitBound:
 
     def _take(self, item: tuple[int, int, list[int]]) -> None:
         prompt_len, cap, keys = item
-        seen = self._seen
+        add = self._seen.add
         hits = 0
         looking = True
         for i, key in enumerate(keys):
-            if key not in seen:
+            if add(key):
                 looking = False
-                seen.add(key)
             elif looking and i < cap:
                 hits += 1
         self.hit_tokens += hits * self.block_size
@@ -533,7 +605,7 @@ class HitBound:
 
     def release_memory(self) -> None:
         """Forgets the blocks once no request is left to add (the rate stays)."""
-        self._seen = set()
+        self._seen = KeySet()
         self._early.clear()
 
 
@@ -562,6 +634,7 @@ __all__ = [
     "VOCAB_SIZE",
     "ChatWorkloadParams",
     "HitBound",
+    "KeySet",
     "RequestShape",
     "RequestSpec",
     "SizeBound",
