@@ -21,7 +21,7 @@ install: ## Build and install kvcore (release build of the Rust core)
 
 install-dev: install ## Install kvcore, kvcore-kernels, torch and the test tools
 	$(PIP) install -q torch
-	$(PIP) install -q -e '.[test,bench,plot]' 'ruff' 'mypy' 'pytest-benchmark' 'typing_extensions>=4.15'
+	$(PIP) install -q -e '.[test,bench,plot,progress]' 'ruff' 'mypy' 'pytest-benchmark' 'typing_extensions>=4.15'
 	$(PIP) install -q -e ./kernels
 
 install-reference: install-dev ## Install the reference (vLLM, version pinned in scripts/install-reference.sh)
