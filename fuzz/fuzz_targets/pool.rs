@@ -1,7 +1,8 @@
 //! The block pool against a plain model: free-queue order, reference counts, which keys map to
 //! which blocks (in insertion order), primary and alias keys, and the events, after every
 //! operation of an arbitrary sequence, misuse included (huge and zero counts, double frees,
-//! unknown ids, duplicate and alias keys, failing callbacks).
+//! unknown ids, duplicate and alias keys, failing callbacks); the recorded block-metrics
+//! operations too.
 
 #![no_main]
 
@@ -10,7 +11,7 @@ use std::collections::VecDeque;
 use arbitrary::Arbitrary;
 use kvcore_core::events::{KvEvent, MetaRequest, StoredMeta};
 use kvcore_core::hash::{BlockHash, BlockKey};
-use kvcore_core::pool::{BlockId, BlockPool, HashSource};
+use kvcore_core::pool::{BlockId, BlockOp, BlockPool, HashSource};
 use kvcore_core::PoolError;
 use libfuzzer_sys::fuzz_target;
 
@@ -170,6 +171,11 @@ enum Op {
     },
     Reset,
     TakeEvents,
+    /// Starts or stops recording the block-metrics operations.
+    RecordOps {
+        on: bool,
+    },
+    TakeOps,
     Lookup {
         hashes: Vec<u8>,
         groups: Vec<u8>,
@@ -201,6 +207,8 @@ struct Model {
     /// Every `(key, block)` pair of the index, in insertion order.
     pairs: Vec<(BlockKey, BlockId)>,
     events: Vec<KvEvent>,
+    /// The recorded block operations while recording is on.
+    ops: Option<Vec<BlockOp>>,
 }
 
 impl Model {
@@ -216,6 +224,7 @@ impl Model {
             aliases: vec![Vec::new(); n],
             pairs: Vec::new(),
             events: Vec::new(),
+            ops: None,
         }
     }
 
@@ -288,8 +297,10 @@ impl Model {
         for &b in &got {
             if self.caching {
                 self.remove_keys(b);
+                self.record(BlockOp::Evicted(b));
             }
             self.rc[b as usize] = 1;
+            self.record(BlockOp::Allocated(b));
         }
         Ok(got)
     }
@@ -312,7 +323,16 @@ impl Model {
             }
             self.rc[b as usize] += 1;
         }
+        for &b in ids {
+            self.record(BlockOp::Accessed(b));
+        }
         Ok(())
+    }
+
+    fn record(&mut self, op: BlockOp) {
+        if let Some(ops) = &mut self.ops {
+            ops.push(op);
+        }
     }
 
     fn free(&mut self, ids: &[BlockId]) -> Result<(), PoolError> {
@@ -354,6 +374,7 @@ impl Model {
         }
         for &i in ids {
             self.remove_keys(i as BlockId);
+            self.record(BlockOp::Evicted(i as BlockId));
         }
         Ok(())
     }
@@ -368,6 +389,7 @@ impl Model {
         if self.events_on {
             self.events.push(KvEvent::AllBlocksCleared);
         }
+        self.record(BlockOp::Reset);
         true
     }
 }
@@ -439,6 +461,8 @@ struct Harness {
     /// One entry per reference the harness holds.
     held: Vec<BlockId>,
     keys: Vec<BlockKey>,
+    /// Steps taken (varies the blocks probed by `check`).
+    steps: usize,
 }
 
 impl Harness {
@@ -808,24 +832,35 @@ impl Harness {
         let total = m.n - 1;
         let usage = (total > 0).then(|| 1.0 - m.queue.len() as f64 / total as f64);
         assert_eq!(p.get_usage(), usage, "usage");
+        let mut owners = vec![0i64; m.n];
+        for &b in &self.held {
+            owners[b as usize] += 1;
+        }
         for b in 0..m.n as u32 {
             assert_eq!(i64::from(p.ref_cnt(b)), m.rc[b as usize], "ref_cnt of {b}");
             if b != 0 {
-                let owners = self.held.iter().filter(|&&x| x == b).count() as i64;
-                assert_eq!(m.rc[b as usize], owners, "owners of {b}");
+                assert_eq!(m.rc[b as usize], owners[b as usize], "owners of {b}");
             }
             assert_eq!(p.primary_key(b), m.primary[b as usize], "primary of {b}");
             assert_eq!(p.has_hash(b), m.primary[b as usize].is_some());
             assert_eq!(p.alias_keys(b), m.aliases[b as usize], "aliases of {b}");
         }
         assert_eq!(p.num_cached_keys(), m.num_keys(), "distinct keys");
-        for key in &self.keys {
+        for (i, key) in self.keys.iter().enumerate() {
             let want = m.blocks_of(key);
             assert_eq!(p.blocks_of(key), want, "blocks of {key:?}");
             assert_eq!(p.get_one_block(key), m.first(key), "first block of {key:?}");
-            for b in 0..m.n as u32 {
-                assert_eq!(p.contains(key, b), want.contains(&b), "{key:?} lists {b}");
+            // MAP-7 for the listed blocks and one other block per key (all of them would be
+            // keys x blocks lookups per step).
+            for &b in &want {
+                assert!(p.contains(key, b), "{key:?} lists {b}");
             }
+            let other = ((i + self.steps) % m.n) as u32;
+            assert_eq!(
+                p.contains(key, other),
+                want.contains(&other),
+                "{key:?} and {other}"
+            );
         }
         assert!(!p.contains(&self.keys[0], m.n as u32));
         assert_eq!(p.has_pending_events(), !m.events.is_empty());
@@ -977,6 +1012,19 @@ impl Harness {
                     .count();
                 assert_eq!(self.pool.count_evictable(&ids), want, "count_evictable");
             }
+            Op::RecordOps { on } => {
+                self.pool.record_block_ops(on);
+                self.model.ops = on.then(|| self.model.ops.take().unwrap_or_default());
+            }
+            Op::TakeOps => {
+                let want = self
+                    .model
+                    .ops
+                    .as_mut()
+                    .map(std::mem::take)
+                    .unwrap_or_default();
+                assert_eq!(self.pool.take_block_ops(), want, "block ops");
+            }
             Op::Clone => {
                 self.pool = self.pool.clone();
             }
@@ -1023,10 +1071,12 @@ fuzz_target!(|input: Input| {
         model: Model::new(n, caching, hbs, events),
         held: Vec::new(),
         keys: all_keys(),
+        steps: 0,
     };
     h.check();
     for op in ops.into_iter().take(256) {
         h.step(op);
+        h.steps += 1;
         h.check();
     }
     // Everything the harness holds can be given back, after which the cache can be reset.
@@ -1035,5 +1085,7 @@ fuzz_target!(|input: Input| {
     h.check();
     assert!(h.pool.reset_prefix_cache() && h.model.reset());
     assert_eq!(h.pool.take_events(), std::mem::take(&mut h.model.events));
+    let ops = h.model.ops.as_mut().map(std::mem::take).unwrap_or_default();
+    assert_eq!(h.pool.take_block_ops(), ops, "block ops");
     h.check();
 });

@@ -63,27 +63,45 @@ impl Index {
     }
 
     /// Checks the table's layout: every stored pair's slot carries the tag and home of the key
-    /// `key_of` names for it and is reachable from that home, and the pair count matches.
+    /// `key_of` names for it and is reachable from that home (every slot from the home to it
+    /// is occupied), and the pair count matches. Linear in the table size.
     ///
     /// # Errors
     /// A message naming the first violation.
     pub fn check(&self, key_of: impl Fn(u32) -> Option<u64>) -> Result<(), String> {
-        let mut count = 0usize;
-        for (pair, tag, home, at) in self.0.entries() {
+        // The home of the largest hash is the last slot.
+        let size = self.0.home_of(u64::MAX) + 1;
+        let mut occupied = vec![false; size];
+        let entries: Vec<(u32, u64, usize, usize)> = self.0.entries().collect();
+        for &(pair, tag, home, at) in &entries {
             let h = key_of(pair).ok_or_else(|| format!("slot {at} holds unknown pair {pair}"))?;
             if PrefixIndex::tag_of(h) != tag || self.0.home_of(h) != home {
                 return Err(format!("slot {at} (pair {pair}) does not match its key"));
             }
-            if !self.0.reachable(home, at) {
-                return Err(format!("slot {at} (pair {pair}) is cut off from its home"));
-            }
-            count += 1;
+            occupied[at] = true;
         }
-        if count != self.0.num_pairs() {
+        if entries.len() != self.0.num_pairs() || 2 * entries.len() > size {
             return Err(format!(
-                "{count} slots occupied, {} pairs counted",
+                "{} of {size} slots occupied, {} pairs counted",
+                entries.len(),
                 self.0.num_pairs()
             ));
+        }
+        // Occupied slots ending at each slot, walking around from an empty one.
+        let Some(empty) = occupied.iter().position(|&o| !o) else {
+            return Err("no empty slot".into());
+        };
+        let mut run = vec![0usize; size];
+        for k in 1..=size {
+            let i = (empty + k) % size;
+            if occupied[i] {
+                run[i] = run[(i + size - 1) % size] + 1;
+            }
+        }
+        for &(pair, _, home, at) in &entries {
+            if (at + size - home) % size >= run[at] {
+                return Err(format!("slot {at} (pair {pair}) is cut off from its home"));
+            }
         }
         Ok(())
     }

@@ -230,10 +230,10 @@ fn cache_with(
     )
 }
 
-/// Found with the pool fuzz target's model: a block size near `usize::MAX` overflowed the
-/// token offsets of `cache_full_blocks` (a panic) when the hash source had enough entries, and
-/// one above `u32::MAX` was truncated in the `BlockStored` event when every block was
-/// skipped. Both are refused now, before anything changes.
+/// Found while writing the pool fuzz target's model: a block size near `usize::MAX`
+/// overflowed the token offsets of `cache_full_blocks` (a panic) when the hash source had
+/// enough entries, and one above `u32::MAX` was truncated in the `BlockStored` event when
+/// every block was skipped. Both are refused now, before anything changes.
 #[test]
 fn cache_full_blocks_huge_block_size_is_an_error_not_an_overflow() {
     let mut p = BlockPool::new(8, true, 1, true).unwrap();
