@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcore._native import BlockPool
-from kvcore.errors import InvalidConfigError, InvariantViolationError
+from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
 from kvcore.single_type import (
     BlockPoolLike,
     CrossAttentionManager,
@@ -297,6 +297,58 @@ class KVCacheCoordinator:
         for m in self.single_type_managers:
             m.cache_blocks(request, num_computed_tokens, self.retention_interval)
 
+    def cache_lengths(self, num_computed_tokens: int) -> list[int]:
+        """The token count :meth:`cache_blocks` caches up to in each group."""
+        return [num_computed_tokens] * len(self.single_type_managers)
+
+    def check_cacheable(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        held: bool = True,
+        hits: tuple[Sequence[int], ...] = (),
+    ) -> None:
+        """Raises, before anything changes, where :meth:`cache_blocks` would fail part-way.
+
+        A group caching ``f`` full blocks needs ``f`` blocks and ``f`` hashes at its block size
+        (SPEC POOL-14, POOL-15); the reference checks group by group, after caching the
+        groups before (and, inside ``allocate_slots``, after allocating).
+
+        Args:
+            request: The request.
+            num_computed_tokens: Tokens to cover.
+            held: Check the blocks held as well as the hashes (off before an allocation).
+            hits: Prefix hits about to be added (they count as cached, STM-4).
+
+        Raises:
+            InvalidArgumentError: A group lacks the blocks or the hashes.
+        """
+        request_id = request.request_id
+        num_hashes = len(request.block_hashes)
+        hbs = self.block_pool.hash_block_size
+        lengths = self.cache_lengths(num_computed_tokens)
+        for i, (m, n) in enumerate(zip(self.single_type_managers, lengths, strict=True)):
+            bs = m.block_size
+            full = n // bs
+            cached = m.num_cached_block.get(request_id)
+            if cached is None:
+                cached = len(hits[i]) if i < len(hits) else 0
+            if cached >= full:
+                continue
+            if held:
+                blocks = m.req_to_blocks.get(request_id)
+                have = len(blocks) if blocks is not None else 0
+                if have < full:
+                    raise InvalidArgumentError(
+                        f"request {request_id!r} holds {have} blocks in group "
+                        f"{m.kv_cache_group_id}, fewer than the {full} full ones"
+                    )
+            if num_hashes // (bs // hbs) < full:
+                raise InvalidArgumentError(
+                    f"request {request_id!r} has {num_hashes} block hashes, too few for its "
+                    f"{full} full blocks of {bs} tokens"
+                )
+
     def free(self, request_id: str) -> None:
         """Frees the request in every group, in group order (MGR-20)."""
         for m in self.single_type_managers:
@@ -561,13 +613,21 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches up to the scheduler-aligned length, plus the EAGLE block (COORD-10)."""
+        lengths = self.cache_lengths(num_computed_tokens)
+        for m, n in zip(self.single_type_managers, lengths, strict=True):
+            m.cache_blocks(request, n, self.retention_interval)
+
+    def cache_lengths(self, num_computed_tokens: int) -> list[int]:
+        """The scheduler-aligned length per group, plus the EAGLE block (COORD-10)."""
         sbs = self.scheduler_block_size
         aligned = num_computed_tokens // sbs * sbs
+        out = []
         for m in self.single_type_managers:
             n = aligned
             if m.use_eagle and aligned > 0:
                 n = min(num_computed_tokens, aligned + m.block_size)
-            m.cache_blocks(request, n, self.retention_interval)
+            out.append(n)
+        return out
 
     def _hashes_for(self, spec: KVCacheSpec, block_hashes: list[bytes]) -> list[bytes]:
         """The hashes at ``spec.block_size``: every k-th fine hash (RH-3)."""

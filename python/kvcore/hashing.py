@@ -232,7 +232,7 @@ def hash_block_tokens(
     """
     parent = parent_block_hash if parent_block_hash else _none_hash()
     name = _NATIVE_NAMES.get(hash_function)
-    if name is not None:
+    if name is not None and type(parent) is bytes:
         out = _native.hash_block_tokens(name, parent, parent, curr_block_token_ids, extra_keys)
         if out is not None:
             return BlockHash(out)

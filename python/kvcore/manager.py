@@ -24,9 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast, overload
 
+from kvcore._native import NoFreeBlocksError
 from kvcore.blocks import KVCacheBlocks
 from kvcore.coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
-from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
+from kvcore.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    InvalidConfigError,
+    InvariantViolationError,
+)
 from kvcore.events import BlockStored, KVCacheEvent
 from kvcore.request import RequestStatus
 from kvcore.single_type import FullAttentionManager, SingleTypeKVCacheManager
@@ -318,6 +324,9 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         num_tokens = request.num_tokens
+        if num_tokens <= 0:
+            # The reference's walk over ``num_tokens - 1`` tokens raises ValueError (islice).
+            raise InvalidArgumentError("a request without tokens has no prefix to look up")
         blocks, num_hit = self.coordinator.find_longest_cache_hit(
             request.block_hashes, num_tokens - 1
         )
@@ -364,18 +373,22 @@ class KVCacheManager:
             InvariantViolationError: (an AssertionError) hits for a running request.
         """
         ext = num_external_computed_tokens
+        try:
+            negative = (
+                num_new_tokens
+                | num_new_computed_tokens
+                | num_lookahead_tokens
+                | ext
+                | num_encoder_tokens
+                | reserved_blocks
+            ) < 0
+        except TypeError:
+            raise ArgumentTypeError("token and block counts must be ints") from None
         if num_new_tokens == 0 and ext == 0:
             raise InvalidArgumentError(
                 "num_new_tokens must be > 0 when there are no external computed tokens"
             )
-        if (
-            num_new_tokens
-            | num_new_computed_tokens
-            | num_lookahead_tokens
-            | ext
-            | num_encoder_tokens
-            | reserved_blocks
-        ) < 0:
+        if negative:
             raise InvalidArgumentError("token and block counts must be non-negative")
         request_id = request.request_id
         empty = self._empty_blocks
@@ -408,6 +421,30 @@ class KVCacheManager:
                 return out  # type: ignore[return-value]
 
         coordinator = self.coordinator
+        managers = coordinator.single_type_managers
+        # Refusals the reference makes part-way (after freeing, touching or allocating) are
+        # made here, before anything changes.
+        if num_new_computed_tokens and ncb is empty and self._skippers:
+            # A window's skipped blocks are padded from the hits (STM-4): computed tokens
+            # without them make STM-2 undercount what ALLOC-9 then allocates, after ALLOC-6
+            # has freed blocks outside the window.
+            raise InvalidArgumentError(
+                "num_new_computed_tokens must come with the hit blocks it counts"
+            )
+        if (ncb is not empty or ext > 0) and not any(
+            request_id in m.num_cached_block for m in managers
+        ):
+            for m in managers:
+                if m.req_to_blocks.get(request_id):
+                    raise InvariantViolationError(
+                        f"request {request_id!r} holds blocks and cannot take prefix hits or "
+                        "external tokens"
+                    )
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens = request.num_tokens
+            coordinator.check_cacheable(
+                request, main if main < num_tokens else num_tokens, False, ncb
+            )
         if full_sequence_must_fit:
             full = request.num_tokens
             if full > max_model_len:
@@ -418,12 +455,20 @@ class KVCacheManager:
             if need + wm > self.block_pool.get_num_free_blocks():
                 return None
 
+        had = [request_id in m.req_to_blocks for m in managers] if ext > 0 else None
         coordinator.remove_skipped_blocks(request_id, total, request.num_prompt_tokens)
         need = coordinator.get_num_blocks_to_allocate(
             request_id, need_slot, ncb, num_encoder_tokens, local + ext, main
         )
         if need + wm > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
+        if had is not None:
+            # ``need`` may undercount with external tokens: their blocks (SPEC STM-5) are not
+            # capped by max_model_len. The reference then fails in get_new_blocks after
+            # touching hits or allocating earlier groups; kvcore fails first, dropping the
+            # empty entries ALLOC-6 made. (Computed tokens without hits, the other way to
+            # undercount with window groups, are refused above.)
+            self._check_allocation_fits(request_id, ncb, local, ext, need_slot, had, True)
         if ncb is not empty or ext > 0:
             coordinator.allocate_new_computed_blocks(request_id, ncb, local, ext)
         new_blocks = coordinator.allocate_new_blocks(
@@ -433,6 +478,63 @@ class KVCacheManager:
             num_tokens = request.num_tokens
             coordinator.cache_blocks(request, main if main < num_tokens else num_tokens)
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _check_allocation_fits(
+        self,
+        request_id: str,
+        ncb: tuple[Sequence[int], ...],
+        local: int,
+        ext: int,
+        need_slot: int,
+        had: list[bool],
+        computed: bool,
+    ) -> None:
+        """Raises NoFreeBlocksError, changing nothing, when touching the hits (STM-4), the
+        external-token blocks (STM-5) and the new blocks (STM-3) would need more blocks than
+        are free. Groups whose allocation rules are not the base ones are not simulated."""
+        managers = self.coordinator.single_type_managers
+        running = any(request_id in m.num_cached_block for m in managers)
+        base = SingleTypeKVCacheManager
+        pool = self.block_pool
+        null = pool.null_block
+        touched: set[int] = set()
+        pops = 0
+        total = local + ext
+        for i, m in enumerate(managers):
+            if (
+                type(m).allocate_new_blocks is not base.allocate_new_blocks
+                or type(m).add_local_computed_blocks is not base.add_local_computed_blocks
+                or type(m).allocate_external_computed_blocks
+                is not base.allocate_external_computed_blocks
+            ):
+                return
+            bs = m.block_size
+            blocks = m.req_to_blocks.get(request_id)
+            length = len(blocks) if blocks is not None else 0
+            if computed and not running:
+                skipped = max(m.get_num_skipped_tokens(total) // bs, 0)
+                hits = list(ncb[i][skipped:] if skipped > 0 else ncb[i])
+                if self.enable_caching and hits:
+                    for b, r in zip(hits, pool.get_ref_cnts(hits), strict=True):
+                        if r == 0 and b != null:
+                            touched.add(b)
+                length = skipped + len(hits)
+                sk = m.get_num_skipped_tokens(total)
+                e = min(total - sk, ext) if sk > 0 else ext
+                if e > 0:
+                    n = -(-total // bs) - length
+                    if n > 0:
+                        pops += n
+                        length += n
+            n = -(-need_slot // bs) - length
+            if n > 0:
+                pops += n
+        free = pool.get_num_free_blocks() - len(touched)
+        if pops > free:
+            for m, present in zip(managers, had, strict=True):
+                if not present and not m.req_to_blocks.get(request_id, True):
+                    del m.req_to_blocks[request_id]
+            raise NoFreeBlocksError(f"Cannot get {pops} free blocks from the pool ({free} free)")
 
     def _allocate_running(
         self,
@@ -461,6 +563,11 @@ class KVCacheManager:
         for _m, _bs, cached, _tables, _eagle in groups:
             if request_id not in cached:
                 return _NOT_RUNNING
+        if self.enable_caching and not delay_cache_blocks:
+            num_tokens = request.num_tokens
+            self.coordinator.check_cacheable(
+                request, main if main < num_tokens else num_tokens, False
+            )
         for skipper in self._skippers:
             skipper.remove_skipped_blocks(request_id, total, request.num_prompt_tokens)
         need = 0
@@ -556,17 +663,22 @@ class KVCacheManager:
             from ``allocate_slots`` and the ones after it were not tried.
 
         Raises:
-            InvalidArgumentError: The two sequences differ in length, or a count is invalid
-                (as ``allocate_slots``). Requests before the failing one stay allocated, as in
-                the loop.
+            InvalidArgumentError: The two sequences differ in length, or a count is not
+                positive (checked for every request before any is allocated); or a request is
+                refused as by ``allocate_slots``, and the requests before it stay allocated,
+                as in the loop.
+            ArgumentTypeError: A count is not an int.
         """
         if len(requests) != len(num_new_tokens):
             raise InvalidArgumentError(
                 f"{len(requests)} requests but {len(num_new_tokens)} token counts"
             )
         for n in num_new_tokens:
-            if n < 0:
-                raise InvalidArgumentError(f"num_new_tokens must be non-negative, got {n}")
+            if not isinstance(n, int):
+                raise ArgumentTypeError(f"num_new_tokens must be ints, not {type(n).__name__}")
+            if n <= 0:
+                # ALLOC-1 (zero) and negative counts, for every request before any is allocated.
+                raise InvalidArgumentError(f"num_new_tokens must be positive, got {n}")
         out: list[tuple[list[int], ...] | None] = []
         for request, n in zip(requests, num_new_tokens, strict=True):
             blocks = self.allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)
@@ -606,7 +718,14 @@ class KVCacheManager:
             request_id: The request id.
             total_computed_tokens: Local plus external computed tokens.
             num_prompt_tokens: Prompt length (R-SWA), or None.
+
+        Raises:
+            ArgumentTypeError: A count that is not an int.
         """
+        if not isinstance(total_computed_tokens, int) or not isinstance(
+            num_prompt_tokens, int | None
+        ):
+            raise ArgumentTypeError("token counts must be ints")
         self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
 
     def pop_blocks_for_free(self, request: Request) -> list[int]:
@@ -715,6 +834,12 @@ class KVCacheManager:
             if self._native is not None:
                 self._native.cache_blocks(request, num_computed_tokens)
             else:
+                if not isinstance(num_computed_tokens, int):
+                    raise ArgumentTypeError(
+                        "num_computed_tokens must be an int, not "
+                        f"{type(num_computed_tokens).__name__}"
+                    )
+                self.coordinator.check_cacheable(request, num_computed_tokens)
                 self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[int], ...]) -> KVCacheBlocks:

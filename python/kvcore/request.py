@@ -52,7 +52,7 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
-BlockHasher = Callable[[Any], list[bytes]]
+BlockHasher = Callable[[Any], Sequence[bytes]]
 """Returns the hashes of a request's new full hash blocks (RH-1)."""
 
 
@@ -224,7 +224,8 @@ class Request(RequestCore):
         self._block_hasher = block_hasher
         # The hasher produces nothing until the next window is full; a hasher that says its
         # window size lets appends skip the call until then.
-        self._hash_block_size = getattr(block_hasher, "hash_block_size", None)
+        hbs = getattr(block_hasher, "hash_block_size", None)
+        self._hash_block_size = hbs if type(hbs) is int and 0 < hbs < 2**62 else None
         self._next_hash_at = 0
         self.update_block_hashes()
 

@@ -59,6 +59,11 @@ class BlockPoolLike(Protocol):
         ...
 
     @property
+    def hash_block_size(self) -> int:
+        """Tokens per block hash."""
+        ...
+
+    @property
     def num_gpu_blocks(self) -> int:
         """Blocks in the pool."""
         ...

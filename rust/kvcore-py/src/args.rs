@@ -108,9 +108,9 @@ pub const COUNT_CAP: usize = 1 << 56;
 /// A non-negative count of any size, saturated at [`COUNT_CAP`]: `InvalidArgumentError` when
 /// negative, `ArgumentTypeError` when not an int.
 pub fn count_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
-    int_of(obj, what)?.count_capped(COUNT_CAP).ok_or_else(|| {
-        crate::errors::invalid(format!("{what} must be non-negative, got {obj}"))
-    })
+    int_of(obj, what)?
+        .count_capped(COUNT_CAP)
+        .ok_or_else(|| crate::errors::invalid(format!("{what} must be non-negative, got {obj}")))
 }
 
 /// A count argument read by [`count_of`] (usable with a default in a `#[pyo3(signature)]`).

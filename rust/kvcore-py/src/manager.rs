@@ -106,7 +106,9 @@ impl PyUnitaryFullAttention {
         let bs = t.block_size();
         let ext_want = local.saturating_add(ext).div_ceil(bs);
         let pops = ext_want.saturating_sub(hits.len())
-            + need_slot.div_ceil(bs).saturating_sub(hits.len().max(ext_want));
+            + need_slot
+                .div_ceil(bs)
+                .saturating_sub(hits.len().max(ext_want));
         if pops > free {
             return Err(to_pyerr(PoolError::NotEnoughFreeBlocks {
                 requested: pops,
@@ -347,7 +349,10 @@ impl PyUnitaryFullAttention {
     }
 
     /// SPEC ALLOC-1..12 in one call; see `KVCacheManager.allocate_slots`.
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens = Count(0), new_computed_blocks = None, num_lookahead_tokens = Count(0), num_external_computed_tokens = Count(0), delay_cache_blocks = Flag(false), num_encoder_tokens = Count(0), full_sequence_must_fit = Flag(false), reserved_blocks = Count(0), has_scheduled_reqs = Flag(true)))]
+    #[pyo3(
+        signature = (request, num_new_tokens, num_new_computed_tokens = Count(0), new_computed_blocks = None, num_lookahead_tokens = Count(0), num_external_computed_tokens = Count(0), delay_cache_blocks = Flag(false), num_encoder_tokens = Count(0), full_sequence_must_fit = Flag(false), reserved_blocks = Count(0), has_scheduled_reqs = Flag(true)),
+        text_signature = "($self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
         &mut self,
@@ -372,8 +377,11 @@ impl PyUnitaryFullAttention {
         let (Count(num_lookahead_tokens), Count(num_external_computed_tokens)) =
             (num_lookahead_tokens, num_external_computed_tokens);
         let reserved_blocks = reserved_blocks.0 as i64;
-        let (Flag(delay_cache_blocks), Flag(full_sequence_must_fit), Flag(has_scheduled_reqs)) =
-            (delay_cache_blocks, full_sequence_must_fit, has_scheduled_reqs);
+        let (Flag(delay_cache_blocks), Flag(full_sequence_must_fit), Flag(has_scheduled_reqs)) = (
+            delay_cache_blocks,
+            full_sequence_must_fit,
+            has_scheduled_reqs,
+        );
         // Hits: None or the shared empty instance mean "no hits object" (ALLOC-8).
         let mut hit_ids: Vec<BlockId> = Vec::new();
         let mut hits_given = false;
@@ -410,7 +418,10 @@ impl PyUnitaryFullAttention {
     /// `allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)` for each pair
     /// in order, stopping at the first request that does not fit; see
     /// `KVCacheManager.allocate_slots_batch`.
-    #[pyo3(signature = (requests, num_new_tokens, num_lookahead_tokens = Count(0), allow_none = Flag(false)))]
+    #[pyo3(
+        signature = (requests, num_new_tokens, num_lookahead_tokens = Count(0), allow_none = Flag(false)),
+        text_signature = "($self, requests, num_new_tokens, num_lookahead_tokens=0, allow_none=False)"
+    )]
     fn allocate_slots_batch<'py>(
         &mut self,
         py: Python<'py>,
@@ -424,6 +435,12 @@ impl PyUnitaryFullAttention {
             .try_iter()?
             .map(|n| count_of(&n?, "num_new_tokens"))
             .collect::<PyResult<Vec<usize>>>()?;
+        if counts.contains(&0) {
+            // SPEC ALLOC-1 for every request before any is allocated.
+            return Err(invalid(
+                "num_new_tokens must be greater than 0 when there are no external computed tokens",
+            ));
+        }
         if requests.len()? != counts.len() {
             return Err(invalid(format!(
                 "{} requests but {} token counts",

@@ -10,7 +10,7 @@ use kvcore_core::PoolError;
 use pyo3::exceptions::{PyAssertionError, PyIndexError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList, PySlice, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PySlice, PyTuple};
 
 use crate::args::{group_id_of, int_of, Flag, Int};
 use crate::errors::{error, invalid, to_pyerr, type_error, Error, Kind};
@@ -230,7 +230,10 @@ pub struct PyBlockPool {
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events = Flag(false), metrics_collector = None))]
+    #[pyo3(
+        signature = (num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events = Flag(false), metrics_collector = None),
+        text_signature = "(num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events=False, metrics_collector=None)"
+    )]
     fn new(
         py: Python<'_>,
         num_gpu_blocks: &Bound<'_, PyAny>,
@@ -399,7 +402,8 @@ impl PyBlockPool {
         let block_mask: Option<Vec<bool>> = match block_mask.filter(|m| !m.is_none()) {
             None => None,
             Some(m) => {
-                // SPEC POOL-14; entries are read for their truth value, as the reference does.
+                // SPEC POOL-14. Entries must be bools (the reference reads any object for its
+                // truth value; kvcore refuses what is not a bool, a documented deviation).
                 if m.len()? != seq_len {
                     return Err(to_pyerr(PoolError::MaskLength {
                         expected: seq_len,
@@ -408,13 +412,18 @@ impl PyBlockPool {
                 }
                 Some(
                     m.try_iter()?
-                        .map(|x| x?.is_truthy())
+                        .map(|x| {
+                            let x = x?;
+                            x.downcast::<PyBool>()
+                                .map(|b| b.is_true())
+                                .map_err(|_| type_error("block_mask entries", "bools", &x))
+                        })
                         .collect::<PyResult<Vec<bool>>>()?,
                 )
             }
         };
         let bs = match int_of(block_size, "block_size")? {
-            Int::V(v) if v > 0 && v as u64 % hbs as u64 == 0 => usize::try_from(v).ok(),
+            Int::V(v) if v > 0 && (v as u64).is_multiple_of(hbs as u64) => usize::try_from(v).ok(),
             Int::V(v) if v > 0 => {
                 return Err(to_pyerr(PoolError::BlockSizeNotMultiple {
                     block_size: v as usize,

@@ -21,6 +21,7 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::args::id_key;
 use crate::blocks::eq_result;
+use crate::errors::{error, Kind};
 use crate::hashing::{exact_int, list_tokens, py_hash, tokens_of, PyRequestBlockHasher};
 use crate::pool::to_hash;
 
@@ -43,13 +44,16 @@ pub struct PyRequestCore {
     /// Token count at which the next hash block is full.
     #[pyo3(get, set, name = "_next_hash_at")]
     next_hash_at: i64,
+    /// The length `block_hashes` had when `next_hash_at` was computed: a list shortened or
+    /// replaced since (the reference hashes from its current length) voids the threshold.
+    hashes_len_at: usize,
     /// Prompt and output token ids (`all_token_ids` is a view of them); 0 (or the int's
     /// value) where `exotic` holds the token.
     tokens: Vec<i64>,
-    /// The tokens that are not exact ints of the int64 range (a bool, an int subclass, an int
-    /// beyond 64 bits, any other object the reference would store), by position, in order.
-    /// They are kept as given, so that views and hashes see what the reference sees; a
-    /// window holding one is hashed and reported by the Python paths. Empty in practice.
+    /// The tokens that are ints of the int64 range but not exact ints (a bool, an int
+    /// subclass), by position, in order. They are kept as given, so that views and hashes
+    /// see what the reference sees (pickle and CBOR write `True`, not `1`); a window holding
+    /// one is hashed and reported by the Python paths. Empty in practice.
     exotic: Vec<(usize, PyObject)>,
     /// Where the Rust manager last found this request's block table (skips the id lookup).
     pub(crate) table_hint: HintCell,
@@ -127,6 +131,7 @@ impl PyRequestCore {
             block_hashes: PyList::empty(py).into_any().unbind(),
             mirror: Vec::new(),
             next_hash_at: 0,
+            hashes_len_at: 0,
             block_hasher: py.None(),
             hash_block_size: None,
             table_hint: HintCell::default(),
@@ -342,21 +347,22 @@ impl PyRequestCore {
         prefetch(self.tokens.as_ptr().wrapping_add(self.tokens.len()));
     }
 
-
     /// `append_output_token_ids` without a Python call.
     fn append_one(slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let need_hash = if let Ok(tok) = token_ids.downcast::<PyInt>() {
+            let exact = exact_int(tok.as_any());
+            let value = match exact {
+                Some(v) => v,
+                None => int64_token(tok.as_any())?,
+            };
             let mut this = slf.try_borrow_mut()?;
-            match exact_int(tok.as_any()) {
-                Some(value) => this.tokens.push(value),
-                None => {
-                    let at = this.tokens.len();
-                    this.tokens.push(tok.extract::<i64>().unwrap_or(0));
-                    this.exotic.push((at, tok.clone().into_any().unbind()));
-                }
+            if exact.is_none() {
+                let at = this.tokens.len();
+                this.exotic.push((at, tok.clone().into_any().unbind()));
             }
+            this.tokens.push(value);
             this.num_tokens = this.tokens.len() as i64;
-            this.num_tokens >= this.next_hash_at
+            this.num_tokens >= this.next_hash_at || this.hashes_moved(slf.py())
         } else {
             // Iterating may run Python code: no borrow is held while it does.
             let (values, exotic) = token_vec(token_ids)?;
@@ -366,12 +372,26 @@ impl PyRequestCore {
                 .extend(exotic.into_iter().map(|(i, obj)| (at + i, obj)));
             this.tokens.extend_from_slice(&values);
             this.num_tokens = this.tokens.len() as i64;
-            this.num_tokens >= this.next_hash_at
+            this.num_tokens >= this.next_hash_at || this.hashes_moved(slf.py())
         };
         if need_hash {
             Self::update_hashes(slf)?;
         }
         Ok(())
+    }
+
+    /// The length of `block_hashes` (`usize::MAX` when it is not a list).
+    fn hashes_len(&self, py: Python<'_>) -> usize {
+        self.block_hashes
+            .bind(py)
+            .downcast::<PyList>()
+            .map_or(usize::MAX, |l| l.len())
+    }
+
+    /// Whether `block_hashes` changed length since the hashing threshold was computed.
+    #[inline]
+    fn hashes_moved(&self, py: Python<'_>) -> bool {
+        self.hashes_len(py) != self.hashes_len_at
     }
 
     /// `update_block_hashes` without a Python call.
@@ -381,7 +401,9 @@ impl PyRequestCore {
             let this = slf.try_borrow()?;
             if this.block_hasher.is_none(py) {
                 drop(this);
-                slf.try_borrow_mut()?.next_hash_at = i64::MAX;
+                let mut this = slf.try_borrow_mut()?;
+                this.next_hash_at = i64::MAX;
+                this.hashes_len_at = this.hashes_len(py);
                 return Ok(());
             }
             (
@@ -436,8 +458,11 @@ impl PyRequestCore {
         }
         let hbs = slf.try_borrow()?.hash_block_size;
         if let Some(hbs) = hbs {
-            let len = i64::try_from(hashes.len()?).unwrap_or(i64::MAX);
-            slf.try_borrow_mut()?.next_hash_at = len.saturating_add(1).saturating_mul(hbs);
+            let n = hashes.len()?;
+            let len = i64::try_from(n).unwrap_or(i64::MAX);
+            let mut this = slf.try_borrow_mut()?;
+            this.next_hash_at = len.saturating_add(1).saturating_mul(hbs);
+            this.hashes_len_at = n;
         }
         Ok(())
     }
@@ -571,12 +596,36 @@ fn token_iter(obj: &Bound<'_, PyAny>) -> PyResult<TokenRead> {
         match exact_int(&item) {
             Some(v) => out.push(v),
             None => {
+                let v = int64_token(&item)?;
                 exotic.push((out.len(), item.clone().unbind()));
-                out.push(item.extract::<i64>().unwrap_or(0));
+                out.push(v);
             }
         }
     }
     Ok((out, exotic))
+}
+
+/// A token that is not an exact int64 int: its value when it is an int (a bool, an int
+/// subclass) in the int64 range. Token ids must be such ints (a documented deviation: the
+/// reference stores any object): `InvalidArgumentError` beyond int64, `ArgumentTypeError` for
+/// anything else.
+fn int64_token(item: &Bound<'_, PyAny>) -> PyResult<i64> {
+    if !item.is_instance_of::<PyInt>() {
+        let name = item
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+        return Err(error(
+            Kind::ArgumentType,
+            format!("token ids must be ints, got {name}"),
+        ));
+    }
+    item.extract::<i64>().map_err(|_| {
+        error(
+            Kind::InvalidArgument,
+            format!("token id {item} is outside the int64 range"),
+        )
+    })
 }
 
 /// `Request.all_token_ids` and `Request.output_token_ids`: live, read-only views of a
@@ -666,7 +715,9 @@ impl PyTokenIds {
                     return Ok(Self::list_of(py, this, start + a, start + b)?.into_any());
                 }
                 let picked = (0..ix.slicelength)
-                    .map(|k| Self::item(py, this, start + (ix.start + k as isize * ix.step) as usize))
+                    .map(|k| {
+                        Self::item(py, this, start + (ix.start + k as isize * ix.step) as usize)
+                    })
                     .collect::<PyResult<Vec<_>>>()?;
                 Ok(PyList::new(py, picked)?.into_any())
             })?;
