@@ -54,7 +54,8 @@ lint: install-dev ## rustfmt, clippy, ruff, mypy --strict and stubtest
 	$(PY) -m ruff check python tests benches kernels conftest.py
 	$(PY) -m ruff format --check python tests benches kernels conftest.py
 	$(PY) -m mypy
-	MYPYPATH=python $(PY) -m mypy --strict tests conftest.py
+	MYPYPATH=python $(PY) -m mypy --strict tests
+	$(PY) -m mypy --strict conftest.py
 	MYPYPATH=python:tests $(PY) -m mypy --strict benches
 	cd kernels && $(PY) -m mypy
 	$(PY) -m mypy.stubtest kvcore._native

@@ -232,7 +232,7 @@ def test_blk_1_blocks_indexing() -> None:
         with pytest.raises(IndexError):
             pool.blocks[bad]
     with pytest.raises(TypeError):
-        pool.blocks["1"]  # type: ignore[index]
+        pool.blocks["1"]  # type: ignore[call-overload]
 
 
 def test_blk_2_setting_a_key_twice_is_not_a_promotion() -> None:
