@@ -569,6 +569,8 @@ class ManagerFuzzer:
             deviation = "a count that is not a non-negative int"
         elif any(a >= 2**62 for a in [*n, lookahead]):
             deviation = "a count no sequence reaches (2**62 or more)"
+        elif 0 in n:
+            deviation = "a zero count, refused for the whole batch before any allocation"
         if self.rm.enable_caching and any(self._hashes_short(p) for p in reqs):
             # Refused at that request, after the ones before it were allocated: the batch has
             # the loop's semantics (documented), which the state check here does not model.

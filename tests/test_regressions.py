@@ -464,6 +464,25 @@ def test_python_path_window_undercount_refused_before_allocating(seeded: None) -
     assert manager_state(m, ["a"]) == before
 
 
+def test_python_path_window_frees_undone_when_the_allocation_is_refused(seeded: None) -> None:
+    """A request that is not running (shorter than a block, so never cached) and claims many
+    computed tokens: the window group's STM-2 count skips blocks that STM-3 then allocates.
+    The reference frees the block outside the window (ALLOC-6), allocates the full-attention
+    group and fails in the window group; kvcore refuses first and takes the freed block
+    back, leaving the free queue, the counts and the tables as they were."""
+    m = make_manager(False, num_blocks=19, swa=True)
+    r = request("a", [1])
+    assert m.allocate_slots(r, 1) is not None
+    r.num_computed_tokens = 20
+    m.take_events()
+    before = manager_state(m, ["a"])
+    with pytest.raises(kvcore.NoFreeBlocksError):
+        m.allocate_slots(r, 20)
+    assert manager_state(m, ["a"]) == before
+    assert m.take_events() == []
+    cast(kvcore.BlockPool, m.block_pool).check_invariants()
+
+
 @NATIVE
 def test_count_type_errors_are_kvcore_errors(native: bool, seeded: None) -> None:
     """A float count raised a plain TypeError on the Python path (``|`` of ints)."""

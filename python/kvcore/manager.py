@@ -57,6 +57,42 @@ _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
 
 
+class _SkipUndo:
+    """What ALLOC-6 (``remove_skipped_blocks``) is about to change for one request, so that a
+    refused allocation can put it back: the entries it may create and the blocks it may free
+    (freeing appends them to the free queue's ends; touching them takes them out again and
+    restores their counts, leaving the queue as it was)."""
+
+    __slots__ = ("had", "managers", "request_id", "saved")
+
+    def __init__(
+        self,
+        request_id: str,
+        managers: Sequence[SingleTypeKVCacheManager],
+        skippers: Sequence[SingleTypeKVCacheManager],
+    ) -> None:
+        self.request_id = request_id
+        self.managers = managers
+        self.had = [request_id in m.req_to_blocks for m in managers]
+        self.saved = [(m, list(m.req_to_blocks.get(request_id, ()))) for m in skippers]
+
+    def restore(self, pool: Any) -> None:
+        """Takes the freed blocks back and drops the entries created."""
+        rid = self.request_id
+        freed: list[int] = []
+        for m, old in self.saved:
+            cur = m.req_to_blocks.get(rid)
+            if cur is None:
+                continue
+            freed.extend(a for a, b in zip(old, cur, strict=False) if a != b)
+            cur[:] = old
+        if freed:
+            pool.touch(freed)
+        for m, present in zip(self.managers, self.had, strict=True):
+            if not present and not m.req_to_blocks.get(rid, True):
+                del m.req_to_blocks[rid]
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Prefix-cache hit statistics (STAT-1).
@@ -455,20 +491,30 @@ class KVCacheManager:
             if need + wm > self.block_pool.get_num_free_blocks():
                 return None
 
-        had = [request_id in m.req_to_blocks for m in managers] if ext > 0 else None
+        # ``need`` (STM-2) may undercount what is then allocated: external-token blocks
+        # (STM-5) are not capped by max_model_len, and a window group's skipped blocks are
+        # padded only from hits for a request that is not running. The reference then fails
+        # in get_new_blocks after ALLOC-6's frees, touching hits or allocating earlier
+        # groups; kvcore checks first and, refusing, undoes ALLOC-6.
+        undo: _SkipUndo | None = None
+        if ext > 0 or (
+            self._skippers and not any(request_id in m.num_cached_block for m in managers)
+        ):
+            undo = _SkipUndo(request_id, managers, self._skippers)
         coordinator.remove_skipped_blocks(request_id, total, request.num_prompt_tokens)
         need = coordinator.get_num_blocks_to_allocate(
             request_id, need_slot, ncb, num_encoder_tokens, local + ext, main
         )
         if need + wm > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
-        if had is not None:
-            # ``need`` may undercount with external tokens: their blocks (SPEC STM-5) are not
-            # capped by max_model_len. The reference then fails in get_new_blocks after
-            # touching hits or allocating earlier groups; kvcore fails first, dropping the
-            # empty entries ALLOC-6 made. (Computed tokens without hits, the other way to
-            # undercount with window groups, are refused above.)
-            self._check_allocation_fits(request_id, ncb, local, ext, need_slot, had, True)
+        if undo is not None:
+            try:
+                self._check_allocation_fits(
+                    request_id, ncb, local, ext, need_slot, ncb is not empty or ext > 0
+                )
+            except NoFreeBlocksError:
+                undo.restore(self.block_pool)
+                raise
         if ncb is not empty or ext > 0:
             coordinator.allocate_new_computed_blocks(request_id, ncb, local, ext)
         new_blocks = coordinator.allocate_new_blocks(
@@ -486,12 +532,12 @@ class KVCacheManager:
         local: int,
         ext: int,
         need_slot: int,
-        had: list[bool],
         computed: bool,
     ) -> None:
         """Raises NoFreeBlocksError, changing nothing, when touching the hits (STM-4), the
         external-token blocks (STM-5) and the new blocks (STM-3) would need more blocks than
-        are free. Groups whose allocation rules are not the base ones are not simulated."""
+        are free. ``computed``: whether ALLOC-8 will add hits or external tokens. Groups whose
+        allocation rules are not the base ones are not simulated."""
         managers = self.coordinator.single_type_managers
         running = any(request_id in m.num_cached_block for m in managers)
         base = SingleTypeKVCacheManager
@@ -531,9 +577,6 @@ class KVCacheManager:
                 pops += n
         free = pool.get_num_free_blocks() - len(touched)
         if pops > free:
-            for m, present in zip(managers, had, strict=True):
-                if not present and not m.req_to_blocks.get(request_id, True):
-                    del m.req_to_blocks[request_id]
             raise NoFreeBlocksError(f"Cannot get {pops} free blocks from the pool ({free} free)")
 
     def _allocate_running(
