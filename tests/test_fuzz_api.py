@@ -16,7 +16,7 @@ domain (:mod:`fuzz_harness`). Whenever kvcore raises, its whole state must be wh
 before the call, and the reference is restored from a deep copy taken before the call. A Rust
 panic reaching Python fails the test.
 
-Examples per test: ``KVCORE_FUZZ_EXAMPLES`` (default 150, sized so that the file runs in
+Examples per test: ``KVCORE_FUZZ_EXAMPLES`` (default 500, sized so that the file runs in
 well under a minute and a half on a small machine); hypothesis prints the seed and the falsifying sequence on
 failure. Skipped when the reference is not installed.
 """
@@ -61,7 +61,7 @@ needs_reference = pytest.mark.skipif(
     ref_block_pool is None, reason="the reference (vllm 0.25.1) is not installed"
 )
 
-EXAMPLES = int(os.environ.get("KVCORE_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("KVCORE_FUZZ_EXAMPLES", "500"))
 
 FUZZ_SETTINGS = settings(
     max_examples=EXAMPLES,

@@ -460,6 +460,13 @@ class KVCacheManager:
         managers = coordinator.single_type_managers
         # Refusals the reference makes part-way (after freeing, touching or allocating) are
         # made here, before anything changes.
+        if self._skippers and local + ext > max_model_len:
+            # A window group pads its skipped blocks with that many null entries (STM-4):
+            # the reference builds a list of the size, kvcore refuses the count.
+            raise InvalidArgumentError(
+                f"computed tokens ({local + ext}) beyond max_model_len ({max_model_len}) with "
+                "sliding-window groups"
+            )
         if num_new_computed_tokens and ncb is empty and self._skippers:
             # A window's skipped blocks are padded from the hits (STM-4): computed tokens
             # without them make STM-2 undercount what ALLOC-9 then allocates, after ALLOC-6
