@@ -227,11 +227,16 @@ class RequestFuzzer:
         self.log.append(what)
         k_arg = list(tokens) if isinstance(tokens, list) else tokens
         r_arg = list(tokens) if isinstance(tokens, list) else tokens
+        before = (list(self.k.all_token_ids), list(self.k.block_hashes))
         k = attempt(lambda: self.k.append_output_token_ids(k_arg))
         r = attempt(lambda: self.r.append_output_token_ids(r_arg))
-        if judge(what, k, r, token_deviation(tokens), False) == "stricter":
-            # kvcore refused and appended nothing: the reference's request is rebuilt from
-            # kvcore's tokens and hashes, so that both go on from the same state.
+        if judge(what, k, r, token_deviation(tokens), False) in ("stricter", "both"):
+            # kvcore refused and must have appended nothing; the reference may have appended
+            # its tokens before its hasher failed (it is not atomic). Its request is rebuilt
+            # from kvcore's tokens and hashes, so that both go on from the same state.
+            after = (list(self.k.all_token_ids), list(self.k.block_hashes))
+            if after != before:
+                raise Divergence(f"{what}: kvcore refused but changed the request: {after!r}")
             self.r._all_token_ids[:] = list(self.k.all_token_ids)
             self.r._output_token_ids[:] = list(self.k.output_token_ids)
             self.r.block_hashes[:] = list(self.k.block_hashes)

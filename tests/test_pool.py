@@ -1530,11 +1530,6 @@ BAD_CALLS: list[tuple[str, BadCall, tuple[type[BaseException], ...]]] = [
     # POOL-4 and batch helpers
     ("lookup_str", lambda s: s.pool.get_cached_block("x", [0]), (TypeError,)),
     (
-        "lookup_too_long",
-        lambda s: s.pool.get_cached_block(b"\x00" * 33, [0]),
-        (InvalidArgumentError,),
-    ),
-    (
         "lookup_group_negative",
         lambda s: s.pool.get_cached_block(s.req.block_hashes[0], [-1]),
         (OverflowError,),

@@ -576,3 +576,27 @@ def test_pool_of_2_31_blocks_does_not_abort() -> None:
     lines = out.stdout.split("\n")
     assert lines[0] in ("built 2147483647", "refused InvalidArgumentError"), out.stdout
     assert lines[1] == "refused InvalidArgumentError", out.stdout
+
+
+def test_append_with_a_failing_hasher_takes_the_tokens_back() -> None:
+    """A lone-surrogate cache salt cannot be CBOR-encoded: the append is refused whole.
+
+    Found by the API fuzzer: the reference appends the token and then its hasher raises;
+    kvcore raised too but had kept the token, so the refused call changed the request.
+    """
+    from kvcore.hashing import get_request_block_hasher, init_none_hash, sha256_cbor
+    from kvcore.request import Request as KvRequest
+
+    init_none_hash(sha256_cbor)
+    req = KvRequest(
+        "a",
+        prompt_token_ids=[0, 0],
+        block_hasher=get_request_block_hasher(3, sha256_cbor),
+        cache_salt="\ud800",
+    )
+    with pytest.raises(UnicodeEncodeError):  # the salt's encoding error, as the reference's
+        req.append_output_token_ids(0)
+    assert list(req.all_token_ids) == [0, 0] and req.num_tokens == 2
+    assert list(req.output_token_ids) == [] and list(req.block_hashes) == []
+    req.append_output_token_ids([])  # still usable
+    assert req.num_tokens == 2

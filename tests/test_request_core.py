@@ -67,10 +67,14 @@ def test_native_hasher_falls_back_for_extra_keys(native_hasher: Any) -> None:
 
 
 def test_append_forms_and_counts() -> None:
-    """REQ-1: int, int subclass and iterables append to both lists; num_tokens follows."""
+    """REQ-1: int, int subclass and iterables append to both lists; num_tokens follows.
+
+    An int subclass such as ``bool`` is kept as given, as the reference keeps it (its block
+    hashes serialise ``True``, not ``1``).
+    """
     r = Request("r", [1, 2, 3])
     r.append_output_token_ids(True)
-    assert r.output_token_ids == [1] and type(r.output_token_ids[0]) is int
+    assert r.output_token_ids == [1] and type(r.output_token_ids[0]) is bool
     r.append_output_token_ids((5, 6))
     assert r.all_token_ids == [1, 2, 3, 1, 5, 6] and r.num_tokens == 6
     assert r.num_output_tokens == 3 and r.num_tokens_with_spec == 6

@@ -257,9 +257,10 @@ impl PyRequestCore {
 
     /// Appends output tokens and hashes any newly completed blocks (SPEC RH-2).
     ///
-    /// Takes one int or an iterable of ints (each within the int64 range; an int subclass is
-    /// stored as its value). When the token count reaches the next full hash block,
-    /// `self.update_block_hashes()` runs. A bad token raises before anything is appended.
+    /// Takes one int or an iterable of ints (each within the int64 range; an int subclass such
+    /// as `bool` is kept as given). When the token count reaches the next full hash block,
+    /// `self.update_block_hashes()` runs. A bad token raises before anything is appended, and
+    /// when the hasher raises the appended tokens are taken back.
     fn append_output_token_ids(
         slf: &Bound<'_, Self>,
         token_ids: &Bound<'_, PyAny>,
@@ -349,6 +350,10 @@ impl PyRequestCore {
 
     /// `append_output_token_ids` without a Python call.
     fn append_one(slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (tokens_before, exotic_before) = {
+            let this = slf.try_borrow()?;
+            (this.tokens.len(), this.exotic.len())
+        };
         let need_hash = if let Ok(tok) = token_ids.downcast::<PyInt>() {
             let exact = exact_int(tok.as_any());
             let value = match exact {
@@ -375,7 +380,16 @@ impl PyRequestCore {
             this.num_tokens >= this.next_hash_at || this.hashes_moved(slf.py())
         };
         if need_hash {
-            Self::update_hashes(slf)?;
+            if let Err(err) = Self::update_hashes(slf) {
+                // The hasher failed (e.g. an extra key it cannot serialise): the call is
+                // refused whole, so the tokens it appended are taken back (the reference keeps
+                // them; a refused call here changes nothing).
+                let mut this = slf.try_borrow_mut()?;
+                this.tokens.truncate(tokens_before);
+                this.exotic.truncate(exotic_before);
+                this.num_tokens = this.tokens.len() as i64;
+                return Err(err);
+            }
         }
         Ok(())
     }
