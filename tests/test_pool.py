@@ -828,7 +828,6 @@ def test_pool_17_one_stored_event_even_when_everything_is_skipped() -> None:
 
 def test_pool_17_event_with_lora_salt_and_multimodal_extra_keys() -> None:
     """TV-R's extra keys: LoRA "lora-a", salt "salt-1" and an image at offset 3, length 20."""
-    pytest.importorskip("kvcore.hashing")
     lora = LoRARequest("lora-a", 7)
     req = PoolRequest(
         list(range(1, 49)),
@@ -867,7 +866,6 @@ def test_pool_17_event_with_lora_salt_and_multimodal_extra_keys() -> None:
 
 
 def test_pool_17_multimodal_index_carries_over_stored_blocks_only() -> None:
-    pytest.importorskip("kvcore.hashing")
     req = PoolRequest(
         list(range(48)),
         mm_features=[
@@ -886,7 +884,6 @@ def test_pool_17_multimodal_index_carries_over_stored_blocks_only() -> None:
 
 def test_pool_17_prompt_embeds_extra_key() -> None:
     """TV-R: embeddings ``float32 arange(64).reshape(16, 4)`` give key ``21b9ca0f…``."""
-    pytest.importorskip("kvcore.hashing")
     torch = pytest.importorskip("torch")
     req = PoolRequest([0] * 16, prompt_embeds=torch.arange(64, dtype=torch.float32).reshape(16, 4))
     pool = new_pool(4)
@@ -1058,7 +1055,6 @@ def test_pool_30_partial_entry_event_and_key() -> None:
 
 
 def test_pool_30_first_window_has_no_parent_and_gets_the_salt() -> None:
-    pytest.importorskip("kvcore.hashing")
     pool = new_pool(10, hbs=4)
     req = PoolRequest(
         list(range(1, 15)), hash_block_size=4, cache_salt="s", lora_request=LoRARequest("l", 2)
@@ -1091,7 +1087,6 @@ def test_pool_30_first_window_has_no_parent_and_gets_the_salt() -> None:
 
 def test_pool_30_partial_multimodal_scan_starts_at_the_last_item() -> None:
     """``mm start = -1`` when the window does not start at 0 (POOL-30)."""
-    pytest.importorskip("kvcore.hashing")
     pool = new_pool(10, hbs=4)
     req = PoolRequest(
         list(range(1, 15)),
@@ -1604,7 +1599,8 @@ NONE_HASH_SHA256_CBOR_SEED0 = bytes.fromhex(
 
 def sha256_cbor_request(tokens: list[int], monkeypatch: pytest.MonkeyPatch) -> PoolRequest:
     """A request hashed like the scenarios (sha256_cbor, seed 0, hbs 16)."""
-    hashing = pytest.importorskip("kvcore.hashing")
+    from kvcore import hashing
+
     monkeypatch.setattr(hashing, "NONE_HASH", NONE_HASH_SHA256_CBOR_SEED0, raising=False)
     hashes: list[bytes] = []
     parent: bytes | None = None
