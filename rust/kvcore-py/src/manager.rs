@@ -40,6 +40,8 @@ pub struct PyUnitaryFullAttention {
     /// The manager's `max_model_len` and watermark (for [`Self::check_external_fits`]).
     max_model_len: usize,
     watermark_blocks: usize,
+    /// The pool's `enable_caching` (fixed at construction).
+    caching: bool,
 }
 
 impl PyUnitaryFullAttention {
@@ -202,7 +204,7 @@ impl PyUnitaryFullAttention {
         let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
             Ok(stored_meta(py, request, req)?)
         };
-        if !args.delay_cache_blocks && self.pool.try_borrow(py)?.core().enable_caching() {
+        if self.caching && !args.delay_cache_blocks {
             // SPEC POOL-15 before anything changes: the reference asserts on too few hashes
             // only when it caches, after allocating.
             let local = num_computed.saturating_add(args.num_new_computed_tokens);
@@ -277,6 +279,7 @@ impl PyUnitaryFullAttention {
         let bs = count(block_size, "block_size")?;
         let mml = count(max_model_len, "max_model_len")?;
         let wm = count(watermark_blocks, "watermark_blocks")?;
+        let caching = pool.try_borrow(py)?.core().enable_caching();
         let core = UnitaryFullAttention::new(
             pool.try_borrow(py)?.core(),
             bs,
@@ -296,6 +299,7 @@ impl PyUnitaryFullAttention {
             cast: CoreCast::default(),
             max_model_len: mml,
             watermark_blocks: wm,
+            caching,
         })
     }
 
