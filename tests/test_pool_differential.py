@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fuzz_harness import sort_removed_runs
 from pool_helpers import (
     LoRARequest,
     MMFeature,
@@ -95,25 +96,11 @@ class Pair:
         r_events = [event_fields(e) for e in r.take_events()]
         if aliases_before:
             # Alias keys are removed in set order in the reference (unspecified, POOL-6).
-            k_events, r_events = _sort_removed_runs(k_events), _sort_removed_runs(r_events)
+            k_events, r_events = sort_removed_runs(k_events), sort_removed_runs(r_events)
         assert k_events == r_events
 
     def has_aliases(self) -> bool:
         return any(self.r.cached_block_hashes_by_block.values())
-
-
-def _sort_removed_runs(events: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-    out: list[Any] = []
-    run: list[Any] = []
-    for e in events:
-        if e[0] == "BlockRemoved":
-            run.append(e)
-            continue
-        out.extend(sorted(run, key=repr))
-        run = []
-        out.append(e)
-    out.extend(sorted(run, key=repr))
-    return out
 
 
 class Driver:
