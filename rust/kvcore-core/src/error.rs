@@ -63,6 +63,15 @@ pub enum PoolError {
     InvalidPartial(String),
     /// A hash longer than 32 bytes or otherwise malformed.
     InvalidHash(usize),
+    /// A pin beyond the manager's bound on pinned blocks (kvcore extension).
+    PinLimit {
+        /// Blocks pinned now.
+        pinned: usize,
+        /// Blocks the call would newly pin.
+        requested: usize,
+        /// The bound.
+        max: usize,
+    },
     /// Any other violated precondition.
     Invalid(String),
 }
@@ -115,6 +124,15 @@ impl fmt::Display for PoolError {
             ),
             Self::InvalidPartial(msg) => write!(f, "invalid partial block: {msg}"),
             Self::InvalidHash(n) => write!(f, "block hash of {n} bytes is longer than 32 bytes"),
+            Self::PinLimit {
+                pinned,
+                requested,
+                max,
+            } => write!(
+                f,
+                "pinning {requested} more blocks would exceed the bound of {max} pinned blocks \
+                 ({pinned} pinned now); nothing was pinned"
+            ),
             Self::Invalid(msg) => f.write_str(msg),
         }
     }

@@ -16,6 +16,7 @@ use hashbrown::HashMap;
 use crate::error::PoolError;
 use crate::events::{MetaRequest, StoredMeta};
 use crate::hash::BlockHash;
+use crate::pool::retention::Retention;
 use crate::pool::{BlockId, BlockPool, HashSource};
 
 #[inline]
@@ -393,10 +394,25 @@ impl FullAttentionTables {
     /// # Errors
     /// Only if the pool's counts were corrupted from outside; the state is then unchanged.
     pub fn free(&mut self, pool: &mut BlockPool, id: &str) -> Result<(), PoolError> {
+        self.free_retained(pool, id, Retention::DEFAULT, 0.0)
+    }
+
+    /// [`Self::free`] with the request's retention (kvcore extension, see
+    /// [`BlockPool::free_blocks_retained`]); `now` is the clock's reading.
+    ///
+    /// # Errors
+    /// As [`Self::free`].
+    pub fn free_retained(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        retention: Retention,
+        now: f64,
+    ) -> Result<(), PoolError> {
         let Some(r) = self.lookup(id) else {
             return Ok(());
         };
-        pool.free_blocks_iter(r.blocks.iter().rev().copied())?;
+        pool.free_blocks_retained(r.blocks.iter().rev().copied(), retention, now)?;
         self.remove(id);
         Ok(())
     }

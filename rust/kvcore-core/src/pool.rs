@@ -19,6 +19,7 @@
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod index;
+pub mod retention;
 
 use hashbrown::{HashMap, HashSet};
 
@@ -29,6 +30,7 @@ use crate::events::{KvEvent, MetaRequest, StoredMeta};
 use crate::hash::{BlockHash, BlockKey};
 use crate::huge::HugePages;
 use crate::prefetch::prefetch;
+use retention::{Deadlines, Pins, Retention};
 
 /// A vector on huge pages once it reaches 2 MiB (the per-block tables; see [`crate::huge`]).
 type HugeVec<T> = allocator_api2::vec::Vec<T, HugePages>;
@@ -52,6 +54,13 @@ const BYTES_PER_BLOCK: u64 = (std::mem::size_of::<Node>()
 
 /// How many operations ahead a batch of index operations prefetches.
 const PREFETCH_AHEAD: usize = 8;
+
+/// The free queue's lists, evicted in order: level 0 holds blocks worth nothing (no key, or a
+/// retention time to live that ran out), level `1 + p` cached blocks freed with retention
+/// priority `p`. Level 0 followed by the default level is the reference's one queue.
+const NUM_LEVELS: usize = 2 + retention::MAX_PRIORITY as usize;
+const FRONT: usize = 0;
+const DEFAULT_LEVEL: usize = 1 + retention::DEFAULT_PRIORITY as usize;
 
 /// An alias key of a block (SPEC MAP-6); its pair id is `num_blocks + record index`.
 #[derive(Debug, Clone, Copy)]
@@ -108,6 +117,13 @@ pub struct BlockPool {
     events: Vec<KvEvent>,
     /// The operations a block-metrics collector follows, while recording is on.
     block_ops: Option<Vec<BlockOp>>,
+    /// Bit `l` is set when level `l` may hold blocks (cleared lazily when found empty).
+    levels: u128,
+    /// Deadlines of freed blocks with a retention time to live.
+    deadlines: Deadlines,
+    pins: Pins,
+    /// Router-exact events: `BlockStored` for a key's first block, `BlockRemoved` for its last.
+    exact_events: bool,
 }
 
 /// A pool operation as a per-block metrics collector sees it (vLLM's `KVCacheMetricsCollector`
@@ -169,11 +185,16 @@ impl BlockPool {
         let head = n as u32;
         let tail = head + 1;
         let mut nodes = HugeVec::new_in(HugePages);
-        nodes.try_reserve_exact(n + 2).map_err(|_| {
+        nodes.try_reserve_exact(n + 2 * NUM_LEVELS).map_err(|_| {
             PoolError::Invalid(format!("cannot allocate the block table of {n} blocks"))
         })?;
-        nodes.resize(n + 2, EMPTY_NODE);
-        // Queue [1..n-1]; block 0 is the null block and never linked.
+        nodes.resize(n + 2 * NUM_LEVELS, EMPTY_NODE);
+        for l in 1..NUM_LEVELS {
+            let h = n + 2 * l;
+            nodes[h].next = h as u32 + 1;
+            nodes[h + 1].prev = h as u32;
+        }
+        // Level 0 is [1..n-1]; block 0 is the null block and never linked.
         let mut last = head;
         for b in 1..n as u32 {
             nodes[last as usize].next = b;
@@ -197,6 +218,10 @@ impl BlockPool {
             aliases: HashMap::new(),
             events: Vec::new(),
             block_ops: None,
+            levels: u128::from(n > 1),
+            deadlines: Deadlines::new(),
+            pins: Pins::new(),
+            exact_events: false,
         })
     }
 
@@ -331,14 +356,16 @@ impl BlockPool {
         self.nodes[b].prev != NIL || self.nodes[b].next != NIL
     }
 
-    /// The free queue front to back (SPEC FQ-6).
+    /// The free queue front to back (SPEC FQ-6): level by level, each front to back.
     pub fn all_free_block_ids(&self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.num_free);
-        let tail = self.num_blocks as u32 + 1;
-        let mut cur = self.nodes[self.num_blocks].next;
-        while cur != tail && cur != NIL {
-            out.push(cur);
-            cur = self.nodes[cur as usize].next;
+        for l in 0..NUM_LEVELS {
+            let (head, tail) = self.sentinels(l);
+            let mut cur = self.nodes[head as usize].next;
+            while cur != tail && cur != NIL {
+                out.push(cur);
+                cur = self.nodes[cur as usize].next;
+            }
         }
         out
     }
@@ -457,11 +484,11 @@ impl BlockPool {
     /// of the queue walk, so they overlap.
     fn eviction_mixes(&self, n: usize) -> Vec<u64> {
         let mut out = Vec::with_capacity(n);
-        let mut b = self.nodes[self.num_blocks].next;
+        let mut b = self.queue_after(self.num_blocks as u32);
         for _ in 0..n {
             let slot = self.nodes[b as usize].primary_slot;
             out.push(self.primaries.get(slot as usize).map_or(0, |p| mix(&p.key)));
-            b = self.nodes[b as usize].next;
+            b = self.queue_after(b);
         }
         out
     }
@@ -551,7 +578,11 @@ impl BlockPool {
             self.num_blocks,
         );
         for (pair, key) in primary.into_iter().chain(alias_pairs) {
-            if self.index.remove(mix(&key), pair, |p| keys.is(p, &key)) && self.events_enabled {
+            if self.index.remove(mix(&key), pair, |p| keys.is(p, &key))
+                && self.events_enabled
+                && !(self.exact_events
+                    && self.index.first(mix(&key), |p| keys.is(p, &key)).is_some())
+            {
                 self.events.push(KvEvent::BlockRemoved {
                     block_hash: key.hash,
                     group_idx: key.group_id,
@@ -586,6 +617,205 @@ impl BlockPool {
         self.num_free += 1;
     }
 
+    /// The head and tail sentinels of level `l`.
+    #[inline]
+    fn sentinels(&self, l: usize) -> (u32, u32) {
+        let h = (self.num_blocks + 2 * l) as u32;
+        (h, h + 1)
+    }
+
+    /// Queues `b` at the back of level `l`.
+    #[inline]
+    fn link_back(&mut self, l: usize, b: BlockId) {
+        let (_, tail) = self.sentinels(l);
+        let last = self.nodes[tail as usize].prev;
+        self.link_after(last, b);
+        self.levels |= 1 << l;
+    }
+
+    /// The block at the front of the queue (the next to evict); the queue must not be empty.
+    #[inline]
+    fn queue_front(&mut self) -> BlockId {
+        debug_assert!(self.num_free > 0);
+        loop {
+            let l = self.levels.trailing_zeros() as usize;
+            let (head, tail) = self.sentinels(l);
+            let b = self.nodes[head as usize].next;
+            if b != tail {
+                return b;
+            }
+            self.levels &= !(1 << l);
+        }
+    }
+
+    /// The queued block after `b` (a block or level 0's head) in eviction order, across
+    /// levels; a tail sentinel when there is none.
+    fn queue_after(&self, b: u32) -> u32 {
+        let next = self.nodes[b as usize].next;
+        if (next as usize) < self.num_blocks {
+            return next;
+        }
+        // `next` is the tail sentinel of level l: go on with the next level that holds blocks.
+        let mut l = (next as usize - self.num_blocks) / 2 + 1;
+        while l < NUM_LEVELS {
+            let (head, tail) = self.sentinels(l);
+            let first = self.nodes[head as usize].next;
+            if first != tail {
+                return first;
+            }
+            l += 1;
+        }
+        next
+    }
+
+    /// Takes `b` out of the queue, forgetting any retention deadline it had.
+    #[inline]
+    fn dequeue(&mut self, b: BlockId) {
+        self.unlink(b);
+        if !self.deadlines.is_empty() {
+            self.deadlines.remove(b);
+        }
+    }
+
+    // ----------------------------------------------------------------- cache control
+
+    /// Whether [`Self::expire`] may change anything at `now`.
+    #[inline]
+    pub fn needs_expire(&self, now: f64) -> bool {
+        now >= self.deadlines.next_due() || now >= self.pins.next_due()
+    }
+
+    /// The earliest time at which [`Self::expire`] may change anything (`INFINITY`: never).
+    pub fn next_expiry(&self) -> f64 {
+        self.deadlines.next_due().min(self.pins.next_due())
+    }
+
+    /// Applies the deadlines due at `now` (kvcore extension): a freed block whose retention
+    /// time to live ran out moves to the back of level 0 (ahead of every priority, behind
+    /// blocks with no key), and an expired pin is released as by [`Self::unpin_prefix`].
+    pub fn expire(&mut self, now: f64) {
+        for b in self.deadlines.take_due(now) {
+            if self.is_queued(b) {
+                self.unlink(b);
+                self.link_back(FRONT, b);
+            }
+        }
+        for b in self.pins.take_due(now) {
+            self.release_pinned(b);
+        }
+    }
+
+    /// Number of pinned blocks.
+    pub fn num_pinned_blocks(&self) -> usize {
+        self.pins.len()
+    }
+
+    /// Whether `block` is pinned.
+    pub fn is_pinned(&self, block: BlockId) -> bool {
+        self.pins.contains(block)
+    }
+
+    /// Pins, per group, every cached copy of the leading hashes that have one, stopping at the
+    /// first hash with none (kvcore extension). A pin holds a reference until `deadline` (or
+    /// until unpinned); pinning a pinned block moves its deadline. Returns, per group, how many
+    /// leading hashes are now pinned.
+    ///
+    /// # Errors
+    /// [`PoolError::PinLimit`] when more than `max_pinned` blocks would be pinned; nothing
+    /// changes.
+    pub fn pin_prefix(
+        &mut self,
+        groups: &[(u32, &[BlockHash])],
+        deadline: Option<f64>,
+        max_pinned: usize,
+    ) -> Result<Vec<usize>, PoolError> {
+        let mut counts = Vec::with_capacity(groups.len());
+        let mut blocks: Vec<BlockId> = Vec::new();
+        for &(g, hashes) in groups {
+            let mut n = 0;
+            for h in hashes {
+                let copies = self.blocks_of(&BlockKey::new(*h, g));
+                if copies.is_empty() {
+                    break;
+                }
+                blocks.extend(copies);
+                n += 1;
+            }
+            counts.push(n);
+        }
+        blocks.sort_unstable();
+        blocks.dedup();
+        let new = blocks.iter().filter(|&&b| !self.pins.contains(b)).count();
+        if self.pins.len() + new > max_pinned {
+            return Err(PoolError::PinLimit {
+                pinned: self.pins.len(),
+                requested: new,
+                max: max_pinned,
+            });
+        }
+        if let Some(&b) = blocks.iter().find(|&&b| self.ref_cnt(b) == i32::MAX) {
+            return Err(PoolError::Invalid(format!(
+                "reference count of block {b} would overflow"
+            )));
+        }
+        for b in blocks {
+            if self.pins.set(b, deadline) {
+                if self.nodes[b as usize].ref_cnt == 0 {
+                    self.dequeue(b);
+                }
+                self.nodes[b as usize].ref_cnt += 1;
+            }
+        }
+        Ok(counts)
+    }
+
+    /// Releases, per group, the pins of the leading hashes that have a pinned copy, stopping at
+    /// the first hash with none; a released block no one else holds joins the back of the
+    /// default level, still cached (kvcore extension). Returns, per group, how many leading
+    /// hashes were released.
+    pub fn unpin_prefix(&mut self, groups: &[(u32, &[BlockHash])]) -> Vec<usize> {
+        let mut counts = Vec::with_capacity(groups.len());
+        for &(g, hashes) in groups {
+            let mut n = 0;
+            for h in hashes {
+                let mut released = false;
+                for b in self.blocks_of(&BlockKey::new(*h, g)) {
+                    if self.pins.remove(b) {
+                        self.release_pinned(b);
+                        released = true;
+                    }
+                }
+                if !released {
+                    break;
+                }
+                n += 1;
+            }
+            counts.push(n);
+        }
+        counts
+    }
+
+    /// Makes every block cached so far unfindable while requests keep running (kvcore
+    /// extension): all keys are dropped (one `AllBlocksCleared` event), pins are released, and
+    /// held and free blocks alike stay where they are.
+    pub fn invalidate_prefix_cache(&mut self) {
+        for b in self.pins.take_all() {
+            self.release_pinned(b);
+        }
+        self.clear_index();
+    }
+
+    /// Turns router-exact events on or off (kvcore extension): `BlockStored` names only keys
+    /// that had no block before, `BlockRemoved` only keys whose last block left.
+    pub fn set_exact_router_events(&mut self, on: bool) {
+        self.exact_events = on;
+    }
+
+    /// Whether router-exact events are on.
+    pub fn exact_router_events(&self) -> bool {
+        self.exact_events
+    }
+
     // ----------------------------------------------------------------- operations
 
     /// Pops `n` blocks from the front of the free queue, evicting their keys when caching is
@@ -617,7 +847,6 @@ impl BlockPool {
             });
         }
         out.reserve(n);
-        let head = self.num_blocks as u32;
         let mixes = if self.enable_caching && n > 1 {
             self.eviction_mixes(n)
         } else {
@@ -625,8 +854,8 @@ impl BlockPool {
         };
         for i in 0..n {
             self.prefetch_window(&mixes, i);
-            let b = self.nodes[head as usize].next;
-            self.unlink(b);
+            let b = self.queue_front();
+            self.dequeue(b);
             if self.enable_caching {
                 self.remove_keys(b);
             }
@@ -663,7 +892,7 @@ impl BlockPool {
         }
         for &b in blocks {
             if self.nodes[b as usize].ref_cnt == 0 && b != 0 {
-                self.unlink(b);
+                self.dequeue(b);
             }
             self.nodes[b as usize].ref_cnt += 1;
         }
@@ -691,6 +920,25 @@ impl BlockPool {
     where
         I: IntoIterator<Item = BlockId> + Clone,
     {
+        self.free_blocks_retained(ordered, Retention::DEFAULT, 0.0)
+    }
+
+    /// [`Self::free_blocks_iter`] for a request with a retention (kvcore extension): cached
+    /// blocks reaching 0 join the back of the retention priority's level, and with a time to
+    /// live they expire `ttl_s` seconds after `now` (see [`Self::expire`]). With
+    /// [`Retention::DEFAULT`] this is exactly `free_blocks`.
+    ///
+    /// # Errors
+    /// As [`Self::free_blocks`].
+    pub fn free_blocks_retained<I>(
+        &mut self,
+        ordered: I,
+        retention: Retention,
+        now: f64,
+    ) -> Result<(), PoolError>
+    where
+        I: IntoIterator<Item = BlockId> + Clone,
+    {
         self.validate_free(ordered.clone())?;
         let mut with_hash: Vec<BlockId> = Vec::new();
         let mut without_hash: Vec<BlockId> = Vec::new();
@@ -705,19 +953,43 @@ impl BlockPool {
                 }
             }
         }
-        // prepend_n: keep order, first element becomes the front.
-        let head = self.num_blocks as u32;
-        let mut after = head;
-        for b in without_hash {
+        self.prepend_front(&without_hash);
+        let level = 1 + usize::from(retention.priority());
+        for &b in &with_hash {
+            self.link_back(level, b);
+        }
+        if let Some(ttl) = retention.ttl_s() {
+            for &b in &with_hash {
+                self.deadlines.add(b, now, ttl);
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues `blocks` at the very front of the queue, in order (the reference's `prepend_n`).
+    fn prepend_front(&mut self, blocks: &[BlockId]) {
+        let mut after = self.num_blocks as u32;
+        for &b in blocks {
             self.link_after(after, b);
             after = b;
         }
-        let tail = head + 1;
-        for b in with_hash {
-            let last = self.nodes[tail as usize].prev;
-            self.link_after(last, b);
+        if !blocks.is_empty() {
+            self.levels |= 1 << FRONT;
         }
-        Ok(())
+    }
+
+    /// Drops one reference on `b` (held by a pin) and queues it when that was the last, at the
+    /// back of the default level if cached, else at the front.
+    fn release_pinned(&mut self, b: BlockId) {
+        let rc = &mut self.nodes[b as usize].ref_cnt;
+        *rc -= 1;
+        if *rc == 0 {
+            if self.has_hash(b) {
+                self.link_back(DEFAULT_LEVEL, b);
+            } else {
+                self.prepend_front(&[b]);
+            }
+        }
     }
 
     /// Checks that freeing `ordered` takes no non-null block below 0, counting repeats, by
@@ -837,25 +1109,35 @@ impl BlockPool {
             let hash = (hashes.get)(pos)?;
             stored.push((pos, blk, BlockKey::new(hash, group_id), covered));
         }
-        let event = if self.events_enabled {
-            let parent = if num_cached == 0 {
-                None
+        // One event for the whole call; router-exact events describe each run of blocks
+        // whose key had no block before instead.
+        let mut events: Vec<(Option<BlockHash>, Vec<BlockHash>, StoredMeta)> = Vec::new();
+        if self.events_enabled {
+            let runs = if self.exact_events {
+                self.new_key_runs(&stored)
             } else {
-                Some((hashes.get)(num_cached - 1)?)
+                vec![(num_cached, num_full, 0..stored.len())]
             };
-            let ranges: Vec<(usize, usize)> = stored
-                .iter()
-                .map(|s| (s.0 * block_size, (s.0 + 1) * block_size))
-                .collect();
-            let req = MetaRequest {
-                token_range: (num_cached * block_size, num_full * block_size),
-                block_ranges: &ranges,
-                first_mm_idx: 0,
-            };
-            Some((parent, meta(&req)?))
-        } else {
-            None
-        };
+            for (first, end, run) in runs {
+                let parent = if first == 0 {
+                    None
+                } else {
+                    Some((hashes.get)(first - 1)?)
+                };
+                let run = &stored[run];
+                let ranges: Vec<(usize, usize)> = run
+                    .iter()
+                    .map(|s| (s.0 * block_size, (s.0 + 1) * block_size))
+                    .collect();
+                let req = MetaRequest {
+                    token_range: (first * block_size, end * block_size),
+                    block_ranges: &ranges,
+                    first_mm_idx: 0,
+                };
+                let meta = meta(&req)?;
+                events.push((parent, run.iter().map(|s| s.2.hash).collect(), meta));
+            }
+        }
         let mixes: Vec<u64> = if stored.len() > 1 {
             stored.iter().map(|s| mix(&s.2)).collect()
         } else {
@@ -868,9 +1150,9 @@ impl BlockPool {
             }
             self.insert_key(key, blk, covered);
         }
-        if let Some((parent, meta)) = event {
+        for (parent, block_hashes, meta) in events {
             self.events.push(KvEvent::BlockStored {
-                block_hashes: stored.iter().map(|s| s.2.hash).collect(),
+                block_hashes,
                 parent_block_hash: parent,
                 block_size: block_size as u32,
                 group_idx: group_id,
@@ -878,6 +1160,30 @@ impl BlockPool {
             });
         }
         Ok(())
+    }
+
+    /// For router-exact events: the runs of consecutive `stored` entries whose key has no
+    /// block yet (nor an earlier entry of the call), as `(first position, end position, range
+    /// of entries)`.
+    fn new_key_runs(
+        &self,
+        stored: &[(usize, BlockId, BlockKey, u32)],
+    ) -> Vec<(usize, usize, std::ops::Range<usize>)> {
+        let mut seen: HashSet<BlockKey> = HashSet::new();
+        let mut runs: Vec<(usize, usize, std::ops::Range<usize>)> = Vec::new();
+        for (i, s) in stored.iter().enumerate() {
+            let new = self.get_one_block(&s.2).is_none() && seen.insert(s.2);
+            if new {
+                match runs.last_mut() {
+                    Some(run) if run.2.end == i && run.1 == s.0 => {
+                        run.1 = s.0 + 1;
+                        run.2.end = i + 1;
+                    }
+                    _ => runs.push((s.0, s.0 + 1, i..i + 1)),
+                }
+            }
+        }
+        runs
     }
 
     /// Registers a prefix boundary inside an existing block (SPEC POOL-30). `num_hashes` is
@@ -938,7 +1244,8 @@ impl BlockPool {
         let key = BlockKey::new(hash, group_id);
         let primary = self.primary_key(block);
         let already = primary.is_some_and(|(k, _)| k == key) || self.contains(&key, block);
-        let event = if self.events_enabled && !already {
+        let copy = self.exact_events && self.get_one_block(&key).is_some();
+        let event = if self.events_enabled && !already && !copy {
             let parent = if m > 1 { Some(hash_at(m - 2)?) } else { None };
             let start = (m - 1) * hbs;
             let req = MetaRequest {
@@ -987,10 +1294,27 @@ impl BlockPool {
     }
 
     /// Clears the prefix cache when no block but the null block is in use (SPEC POOL-21).
+    ///
+    /// Pins (kvcore extension) are released first when only they hold blocks; otherwise they
+    /// stay and the reset is refused.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        if self.num_blocks - self.num_free != 1 {
+        let pinned_only = self
+            .pins
+            .blocks()
+            .filter(|&b| self.nodes[b as usize].ref_cnt == 1)
+            .count();
+        if self.num_blocks - self.num_free != 1 + pinned_only || pinned_only < self.pins.len() {
             return false;
         }
+        for b in self.pins.take_all() {
+            self.release_pinned(b);
+        }
+        self.clear_index();
+        true
+    }
+
+    /// Drops every key (SPEC POOL-21's clearing, without its precondition).
+    fn clear_index(&mut self) {
         self.index.clear();
         self.aliases.clear();
         self.alias_records.clear();
@@ -1000,13 +1324,13 @@ impl BlockPool {
         }
         self.primaries.clear();
         self.free_slots.clear();
+        self.deadlines.clear();
         if self.events_enabled {
             self.events.push(KvEvent::AllBlocksCleared);
         }
         if let Some(ops) = &mut self.block_ops {
             ops.push(BlockOp::Reset);
         }
-        true
     }
 
     /// Starts (`true`) or stops recording [`BlockOp`]s; stopping drops what was not taken.
@@ -1048,40 +1372,53 @@ impl BlockPool {
     /// A message naming the broken invariant.
     pub fn check_invariants(&self) -> Result<(), String> {
         let n = self.num_blocks;
-        let (head, tail) = (n as u32, n as u32 + 1);
-        if self.nodes[head as usize].prev != NIL || self.nodes[tail as usize].next != NIL {
-            return Err("sentinel links corrupted".into());
-        }
         let mut count = 0usize;
         let mut seen = vec![false; n];
-        let mut prev = head;
-        let mut cur = self.nodes[head as usize].next;
-        while cur != tail {
-            if cur == NIL || cur as usize >= n {
-                return Err(format!("queue link to invalid block {cur}"));
+        for l in 0..NUM_LEVELS {
+            let (head, tail) = self.sentinels(l);
+            if self.nodes[head as usize].prev != NIL || self.nodes[tail as usize].next != NIL {
+                return Err("sentinel links corrupted".into());
             }
-            if seen[cur as usize] {
-                return Err(format!("block {cur} linked twice"));
+            let mut prev = head;
+            let mut cur = self.nodes[head as usize].next;
+            if cur != tail && self.levels & (1 << l) == 0 {
+                return Err(format!("level {l} holds blocks but is marked empty"));
             }
-            seen[cur as usize] = true;
-            if self.nodes[cur as usize].prev != prev {
-                return Err(format!("block {cur} has a wrong prev link"));
+            while cur != tail {
+                if cur == NIL || cur as usize >= n {
+                    return Err(format!("queue link to invalid block {cur}"));
+                }
+                if seen[cur as usize] {
+                    return Err(format!("block {cur} linked twice"));
+                }
+                seen[cur as usize] = true;
+                if self.nodes[cur as usize].prev != prev {
+                    return Err(format!("block {cur} has a wrong prev link"));
+                }
+                if cur == 0 {
+                    return Err("the null block is queued".into());
+                }
+                if self.nodes[cur as usize].ref_cnt != 0 {
+                    return Err(format!(
+                        "queued block {cur} has ref_cnt {}",
+                        self.nodes[cur as usize].ref_cnt
+                    ));
+                }
+                if self.pins.contains(cur) {
+                    return Err(format!("pinned block {cur} is queued"));
+                }
+                count += 1;
+                prev = cur;
+                cur = self.nodes[cur as usize].next;
             }
-            if cur == 0 {
-                return Err("the null block is queued".into());
+            if self.nodes[tail as usize].prev != prev {
+                return Err("tail sentinel's prev link is wrong".into());
             }
-            if self.nodes[cur as usize].ref_cnt != 0 {
-                return Err(format!(
-                    "queued block {cur} has ref_cnt {}",
-                    self.nodes[cur as usize].ref_cnt
-                ));
-            }
-            count += 1;
-            prev = cur;
-            cur = self.nodes[cur as usize].next;
         }
-        if self.nodes[tail as usize].prev != prev {
-            return Err("tail sentinel's prev link is wrong".into());
+        for b in self.pins.blocks() {
+            if b == 0 || b as usize >= n || self.nodes[b as usize].ref_cnt < 1 {
+                return Err(format!("pinned block {b} holds no reference"));
+            }
         }
         if count != self.num_free {
             return Err(format!("free count {} but {count} queued", self.num_free));
@@ -1269,3 +1606,6 @@ impl<'a> PairKeys<'a> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod retention_tests;
