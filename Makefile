@@ -10,7 +10,7 @@ FUZZ_SECONDS ?= 180
 DIST ?= dist
 
 .PHONY: help install install-dev install-reference demo test test-rust test-python test-wheel \
-	wheel lint fmt bench fuzz clean
+	wheel lint fmt bench fuzz clean install-router
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -27,10 +27,13 @@ install-dev: install ## Install kvcore, kvcore-kernels, torch and the test tools
 install-reference: install-dev ## Install the reference (vLLM, version pinned in scripts/install-reference.sh)
 	PYTHON=$(PY) bash scripts/install-reference.sh
 
+install-router: ## Install the Dynamo KV indexer the router test feeds (own venv, .venv-dynamo/)
+	PYTHON=$(PY) bash scripts/install-dynamo.sh
+
 demo: install ## Install kvcore and run the main job on the default workload
 	$(PY) -m kvcore simulate
 
-test: install-reference test-rust test-python test-wheel ## Install everything and run the whole test suite
+test: install-reference install-router test-rust test-python test-wheel ## Install everything and run the whole test suite
 
 test-rust: ## Rust unit, property and doc tests
 	cargo test --workspace --exclude kvcore-py
