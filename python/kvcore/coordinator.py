@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvcore._native import BlockPool
+from kvcore._native import BlockPool, Retention
 from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
 from kvcore.single_type import (
     BlockPoolLike,
@@ -55,6 +55,16 @@ def read_retention_interval() -> int | None:
         return int(raw)
     except ValueError:
         raise InvalidConfigError(f"{RETENTION_ENV}={raw!r} is not an integer") from None
+
+
+def hashes_at_block_size(
+    block_hashes: list[bytes], block_size: int, hash_block_size: int
+) -> list[bytes]:
+    """The hashes at ``block_size``: every k-th hash of ``hash_block_size`` windows (RH-3)."""
+    if block_size == hash_block_size:
+        return block_hashes
+    k = block_size // hash_block_size
+    return block_hashes[k - 1 :: k]
 
 
 def _new_block_pool(
@@ -349,10 +359,10 @@ class KVCacheCoordinator:
                     f"{full} full blocks of {bs} tokens"
                 )
 
-    def free(self, request_id: str) -> None:
-        """Frees the request in every group, in group order (MGR-20)."""
+    def free(self, request_id: str, retention: Retention | None = None) -> None:
+        """Frees the request in every group, in group order (MGR-20; retention: CC-1)."""
         for m in self.single_type_managers:
-            m.free(request_id)
+            m.free(request_id, retention)
 
     def pop_blocks_for_free(self, request_id: str) -> list[int]:
         """Forgets the request; returns all its blocks, group by group (MGR-21)."""
@@ -630,13 +640,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return out
 
     def _hashes_for(self, spec: KVCacheSpec, block_hashes: list[bytes]) -> list[bytes]:
-        """The hashes at ``spec.block_size``: every k-th fine hash (RH-3)."""
-        bs = spec.block_size
-        hbs = self.hash_block_size
-        if bs == hbs:
-            return block_hashes
-        k = bs // hbs
-        return block_hashes[k - 1 :: k]
+        """The hashes at ``spec.block_size`` (RH-3)."""
+        return hashes_at_block_size(block_hashes, spec.block_size, self.hash_block_size)
 
     def find_longest_cache_hit(
         self, block_hashes: list[bytes], max_cache_hit_length: int

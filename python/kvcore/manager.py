@@ -20,13 +20,18 @@ Examples:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast, overload
 
-from kvcore._native import NoFreeBlocksError
+from kvcore._native import BlockPool, NoFreeBlocksError, Retention
 from kvcore.blocks import KVCacheBlocks
-from kvcore.coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
+from kvcore.coordinator import (
+    HybridKVCacheCoordinator,
+    get_kv_cache_coordinator,
+    hashes_at_block_size,
+)
 from kvcore.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -40,6 +45,7 @@ from kvcore.specs import (
     AttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
@@ -174,6 +180,11 @@ class KVCacheManager:
         pcp_world_size: int = 1,
         metrics_collector: Any = None,
         watermark: float = 0.0,
+        *,
+        hash_fn: Callable[[Any], bytes] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_pinned_fraction: float = 0.5,
+        exact_router_events: bool = False,
     ) -> None:
         """Builds the coordinator, its pool and managers (MGR-1..4).
 
@@ -191,11 +202,25 @@ class KVCacheManager:
             pcp_world_size: Prefill context-parallel world size.
             metrics_collector: Accepted for compatibility; block metrics are not collected.
             watermark: Fraction of blocks kept free when admitting waiting requests.
+            hash_fn: The requests' block-hash function, which :meth:`pin_prefix` hashes
+                prompts with (kvcore extension, CC-5).
+            clock: Seconds, for retention and pin times to live (kvcore extension, CC-3).
+            max_pinned_fraction: At most this fraction of the pool's blocks may be pinned
+                (kvcore extension, CC-6).
+            exact_router_events: Events that name a hash's first stored copy and its last
+                removed one only (kvcore extension, CC-8).
 
         Raises:
-            InvalidConfigError: (AssertionError and ValueError) an inconsistent configuration
-                or a negative watermark.
+            InvalidConfigError: (AssertionError and ValueError) an inconsistent configuration,
+                a negative watermark, a ``max_pinned_fraction`` outside [0, 1] or a clock that
+                is not callable.
         """
+        if not 0.0 <= max_pinned_fraction <= 1.0:
+            raise InvalidConfigError(
+                f"max_pinned_fraction must be between 0 and 1, not {max_pinned_fraction}"
+            )
+        if not callable(clock):
+            raise InvalidConfigError(f"clock must be callable, not {clock!r}")
         self.max_model_len = max_model_len
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max_model_len
@@ -219,6 +244,14 @@ class KVCacheManager:
         )
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
+        self.hash_fn = hash_fn
+        self.clock = clock
+        self.max_pinned_fraction = max_pinned_fraction
+        self.exact_router_events = exact_router_events
+        # The native pool's cache-control surface (kvcore extensions).
+        self._pool = cast(BlockPool, self.block_pool)
+        self._pool.clock = clock
+        self._pool.exact_router_events = exact_router_events
         self.kv_cache_config = kv_cache_config
         if not watermark >= 0.0:
             raise InvalidConfigError(f"watermark must be non-negative, not {watermark}")
@@ -426,6 +459,7 @@ class KVCacheManager:
             )
         if negative:
             raise InvalidArgumentError("token and block counts must be non-negative")
+        self._pool.expire()
         request_id = request.request_id
         empty = self._empty_blocks
         if new_computed_blocks is None:
@@ -754,10 +788,22 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Frees the request's blocks, group by group, tail first (MGR-20).
 
+        The request's ``retention_priority`` and ``retention_ttl_s``, when it has them, place
+        its cached blocks in the eviction order (kvcore extension, CC-1..2).
+
         Args:
             request: The request; an unknown one is a no-op.
+
+        Raises:
+            InvalidArgumentError: A retention out of range; nothing is freed.
+            ArgumentTypeError: A retention of the wrong type; nothing is freed.
         """
-        self.coordinator.free(request.request_id)
+        priority = getattr(request, "retention_priority", None)
+        ttl_s = getattr(request, "retention_ttl_s", None)
+        if priority is None and ttl_s is None:
+            self.coordinator.free(request.request_id)
+        else:
+            self.coordinator.free(request.request_id, Retention(priority, ttl_s))
 
     def remove_skipped_blocks(
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -802,6 +848,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Clears the prefix cache if no block is in use (MGR-27, POOL-21).
 
+        Blocks held only by pins do not count as in use: the pins are released (CC-6).
+
         Returns:
             Whether the cache was cleared.
         """
@@ -810,6 +858,115 @@ class KVCacheManager:
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
         return True
+
+    def invalidate_prefix_cache(self) -> None:
+        """Stops every block cached so far from hitting, while requests run (CC-7).
+
+        Running requests keep their blocks and go on; their later full blocks are cached
+        again as usual. Free cached blocks become plain free blocks and pins are released.
+        With events on, one ``AllBlocksCleared`` is queued.
+        """
+        self._pool.invalidate_prefix_cache()
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+
+    def _prefix_hashes(
+        self, token_ids: Sequence[int], lora_request: Any, cache_salt: str | None
+    ) -> list[tuple[int, list[bytes]]]:
+        """Per group, the block hashes a request with this prompt would have (CC-5)."""
+        if self.hash_fn is None:
+            raise InvalidConfigError(
+                "pin_prefix and unpin_prefix need the requests' block-hash function: build "
+                "the manager with hash_fn="
+            )
+        from kvcore.hashing import get_request_block_hasher
+        from kvcore.request import Request
+
+        hbs = self.block_pool.hash_block_size
+        probe = Request(
+            "kvcore-pin-prefix",
+            list(token_ids),
+            lora_request=lora_request,
+            cache_salt=cache_salt,
+            block_hasher=get_request_block_hasher(hbs, self.hash_fn),
+        )
+        hashes = list(probe.block_hashes)
+        return [
+            (gid, hashes_at_block_size(hashes, g.kv_cache_spec.block_size, hbs))
+            for gid, g in enumerate(self.kv_cache_config.kv_cache_groups)
+        ]
+
+    def _prefix_count(self, per_group: Sequence[int]) -> int:
+        """The leading prefix blocks counted in every full-attention group (CC-5)."""
+        groups = self.kv_cache_config.kv_cache_groups
+        full = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)]
+        chosen = full or list(range(len(groups)))
+        unit = min(groups[i].kv_cache_spec.block_size for i in chosen)
+        return min(per_group[i] * groups[i].kv_cache_spec.block_size // unit for i in chosen)
+
+    def pin_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        ttl_s: float | None = None,
+        lora_request: Any = None,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Keeps the cached leading full blocks of a prompt from being evicted (CC-5, CC-6).
+
+        Every cached copy of each leading block hash is pinned, up to the first hash with no
+        cached copy; a partial last block is not pinned. Pinned blocks count as used, so
+        :meth:`allocate_slots` refuses rather than evict them. Pinning again moves the pins'
+        deadline.
+
+        Args:
+            token_ids: The prompt.
+            ttl_s: Seconds (by the manager's clock) until the pins lapse; None: no limit.
+            lora_request: The LoRA request the prompt is served with, or None.
+            cache_salt: The cache salt, or None.
+
+        Returns:
+            How many leading prefix blocks are now pinned.
+
+        Raises:
+            InvalidConfigError: The manager was built without ``hash_fn``.
+            InvalidArgumentError: More than ``max_pinned_fraction`` of the pool would be
+                pinned (nothing is pinned), or a bad ``ttl_s``.
+        """
+        groups = self._prefix_hashes(token_ids, lora_request, cache_salt)
+        max_pinned = int(self.max_pinned_fraction * self.kv_cache_config.num_blocks)
+        self._pool.expire()
+        counts = self._pool.pin_prefix(groups, ttl_s, max_pinned)
+        return self._prefix_count(counts)
+
+    def unpin_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_request: Any = None,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Releases the pins :meth:`pin_prefix` took on a prompt's leading blocks (CC-5).
+
+        Args:
+            token_ids: The prompt.
+            lora_request: The LoRA request, or None.
+            cache_salt: The cache salt, or None.
+
+        Returns:
+            How many leading prefix blocks were released.
+
+        Raises:
+            InvalidConfigError: The manager was built without ``hash_fn``.
+        """
+        groups = self._prefix_hashes(token_ids, lora_request, cache_salt)
+        return self._prefix_count(self._pool.unpin_prefix(groups))
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """How many blocks are pinned now (CC-5)."""
+        self._pool.expire()
+        return self._pool.num_pinned_blocks
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, the leading blocks every tracked request shares (MGR-22, FA-2).

@@ -101,6 +101,10 @@ class Request(RequestCore):
         priority: Scheduling priority.
         arrival_time: Arrival wall-clock time.
         client_index: Front-end client index.
+        retention_priority: How long the request's cached blocks are kept once freed, 0..100
+            (higher is kept longer); None counts as 50 (kvcore extension, CC-1).
+        retention_ttl_s: Seconds after the free until those blocks become the next to evict,
+            or None (kvcore extension, CC-2).
     """
 
     __slots__ = (
@@ -121,6 +125,8 @@ class Request(RequestCore):
         "prompt_embeds",
         "prompt_is_token_ids",
         "prompt_token_ids",
+        "retention_priority",
+        "retention_ttl_s",
         "sampling_params",
         "skip_reading_prefix_cache",
         "spec_token_ids",
@@ -147,6 +153,8 @@ class Request(RequestCore):
         *,
         skip_reading_prefix_cache: bool | None = None,
         max_tokens: int | None = None,
+        retention_priority: int | None = None,
+        retention_ttl_s: float | None = None,
     ) -> None:
         """Builds a request and hashes its full prompt blocks.
 
@@ -168,6 +176,8 @@ class Request(RequestCore):
             block_hasher: Called with the request to get new block hashes, or None.
             skip_reading_prefix_cache: Overrides the value taken from the parameters.
             max_tokens: Overrides the output budget taken from the parameters.
+            retention_priority: Retention priority of the freed blocks (CC-1), or None.
+            retention_ttl_s: Retention time to live in seconds (CC-2), or None.
 
         Raises:
             InvalidArgumentError: (a ValueError) no prompt, or prompt ids and embeddings of
@@ -208,6 +218,8 @@ class Request(RequestCore):
         self.trace_headers = trace_headers
         self.is_prefill_chunk = False
         self.num_preemptions = 0
+        self.retention_priority = retention_priority
+        self.retention_ttl_s = retention_ttl_s
 
         if skip_reading_prefix_cache is None:
             skip_reading_prefix_cache = False

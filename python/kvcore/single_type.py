@@ -32,6 +32,7 @@ from kvcore.specs import (
 )
 
 if TYPE_CHECKING:
+    from kvcore._native import Retention
     from kvcore.request import Request
 
 __all__ = [
@@ -76,8 +77,8 @@ class BlockPoolLike(Protocol):
         """Takes a reference on each block (POOL-9)."""
         ...
 
-    def free_blocks(self, ordered_block_ids: list[int]) -> None:
-        """Drops a reference on each block (POOL-10)."""
+    def free_blocks(self, ordered_block_ids: list[int], retention: Retention | None = None) -> None:
+        """Drops a reference on each block (POOL-10; retention: CC-1)."""
         ...
 
     def cache_full_blocks(
@@ -434,12 +435,15 @@ class SingleTypeKVCacheManager:
         self.num_cached_block.pop(request_id, None)
         return blocks
 
-    def free(self, request_id: str) -> None:
-        """Frees the request's blocks, tail first (STM-10, MGR-20); unknown ids are a no-op."""
+    def free(self, request_id: str, retention: Retention | None = None) -> None:
+        """Frees the request's blocks, tail first (STM-10, MGR-20); unknown ids are a no-op.
+
+        ``retention`` (CC-1) places the cached ones in the eviction order.
+        """
         blocks = self.pop_blocks_for_free(request_id)
         if blocks:
             blocks.reverse()
-            self.block_pool.free_blocks(blocks)
+            self.block_pool.free_blocks(blocks, retention)
 
     def _remove_blocks_in_range(self, request_id: str, first_block: int, last_block: int) -> None:
         """Frees ``[first_block, last_block)`` back to front, replacing them by null (STM-8)."""

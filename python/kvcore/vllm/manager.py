@@ -8,10 +8,12 @@ class converts at exactly those points and is otherwise kvcore's ``KVCacheManage
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, cast
 
-from kvcore._native import BlockPool
+from kvcore._native import BlockPool, Retention
+from kvcore.errors import InvalidConfigError
 from kvcore.manager import KVCacheManager as _KVCacheManager
 from kvcore.vllm._convert import (
     convert_kv_cache_config,
@@ -88,6 +90,22 @@ def vllm_coordinator(coordinator: Any, refused: frozenset[str] = frozenset()) ->
 _FACADES: dict[type, type] = {}
 
 
+RETENTION_FROM_PRIORITY_ENV = "KVCORE_VLLM_RETENTION_FROM_PRIORITY"
+"""Set to 1 to map vLLM's request ``priority`` to kvcore's retention priority (CC-4)."""
+
+
+def retention_from_priority() -> bool:
+    """Whether :data:`RETENTION_FROM_PRIORITY_ENV` is on (``1``; ``0`` or unset: off).
+
+    Raises:
+        InvalidConfigError: Any other value.
+    """
+    raw = os.environ.get(RETENTION_FROM_PRIORITY_ENV, "0").strip()
+    if raw not in ("0", "1", ""):
+        raise InvalidConfigError(f"{RETENTION_FROM_PRIORITY_ENV}={raw!r}: use 1 or 0")
+    return raw == "1"
+
+
 class KVCacheManager(_KVCacheManager):
     """kvcore's KV cache manager for vLLM 0.25.1's scheduler (same constructor and methods).
 
@@ -113,8 +131,14 @@ class KVCacheManager(_KVCacheManager):
             at the end of the step instead of during it.
         watermark: Fraction of blocks kept free when admitting waiting requests.
 
+    With ``KVCORE_VLLM_RETENTION_FROM_PRIORITY=1`` in the environment, ``free`` gives a
+    request's cached blocks the retention priority ``clamp(50 - request.priority, 0, 100)``
+    (vLLM's lower priority values are more important), so that blocks of important requests are
+    evicted last (docs/behaviour.md CC-4).
+
     Raises:
-        InvalidConfigError: A spec kvcore does not know, or an inconsistent configuration.
+        InvalidConfigError: A spec kvcore does not know, an inconsistent configuration, or a
+            bad ``KVCORE_VLLM_RETENTION_FROM_PRIORITY``.
     """
 
     def __init__(
@@ -159,7 +183,19 @@ class KVCacheManager(_KVCacheManager):
             refused = _PER_REQUEST - (
                 set() if self.enable_caching else {"get_num_common_prefix_blocks"}
             )
+        self._kvcore_coordinator = self.coordinator
         self.coordinator = vllm_coordinator(self.coordinator, refused)
+        if retention_from_priority():
+            # An instance attribute, as the native methods are (CC-4).
+            self.free = self._free_by_priority  # type: ignore[method-assign]
+
+    def _free_by_priority(self, request: Any) -> None:
+        """``free`` with vLLM's scheduling priority as the retention priority (CC-4)."""
+        retention = Retention(min(100, max(0, 50 - int(request.priority))))
+        if self._native is not None:
+            self._native.free(request, retention)
+        else:
+            self._kvcore_coordinator.free(request.request_id, retention)
 
     def take_events(self) -> list[Any]:
         """The pool's events as ``vllm.distributed.kv_events`` objects (same fields).

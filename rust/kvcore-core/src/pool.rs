@@ -716,19 +716,24 @@ impl BlockPool {
     }
 
     /// Pins, per group, every cached copy of the leading hashes that have one, stopping at the
-    /// first hash with none (kvcore extension). A pin holds a reference until `deadline` (or
-    /// until unpinned); pinning a pinned block moves its deadline. Returns, per group, how many
-    /// leading hashes are now pinned.
+    /// first hash with none (kvcore extension). A pin holds a reference until `ttl_s` seconds
+    /// after `now` (or until unpinned, without one); pinning a pinned block moves its deadline.
+    /// Returns, per group, how many leading hashes are now pinned.
     ///
     /// # Errors
-    /// [`PoolError::PinLimit`] when more than `max_pinned` blocks would be pinned; nothing
-    /// changes.
+    /// [`PoolError::PinLimit`] when more than `max_pinned` blocks would be pinned,
+    /// [`PoolError::Invalid`] for a negative or non-finite `ttl_s`; nothing changes.
     pub fn pin_prefix(
         &mut self,
         groups: &[(u32, &[BlockHash])],
-        deadline: Option<f64>,
+        ttl_s: Option<f64>,
+        now: f64,
         max_pinned: usize,
     ) -> Result<Vec<usize>, PoolError> {
+        if let Some(t) = ttl_s {
+            retention::check_ttl(t, "ttl_s")?;
+        }
+        let deadline = ttl_s.map(|t| now + t);
         let mut counts = Vec::with_capacity(groups.len());
         let mut blocks: Vec<BlockId> = Vec::new();
         for &(g, hashes) in groups {

@@ -168,6 +168,7 @@ pub fn to_pyerr(e: PoolError) -> PyErr {
             | PoolError::NotAPromotion { .. }
             | PoolError::InvalidPartial(_)
             | PoolError::InvalidHash(_)
+            | PoolError::PinLimit { .. }
             | PoolError::Invalid(_) => &c.invalid_argument,
         };
         PyErr::from_type(ty.bind(py).clone(), e.to_string())

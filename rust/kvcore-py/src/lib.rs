@@ -39,7 +39,7 @@ mod _native {
     use pyo3::prelude::*;
 
     #[pymodule_export]
-    use super::pool::{BlockList, KVCacheBlockView, PyBlockPool};
+    use super::pool::{BlockList, KVCacheBlockView, PyBlockPool, PyRetention};
 
     #[pymodule_export]
     use super::manager::PyUnitaryFullAttention;

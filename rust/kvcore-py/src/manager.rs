@@ -14,7 +14,9 @@ use pyo3::types::{PyList, PyString, PyTuple};
 
 use crate::args::{count_of, id_key, request_id_of, Count, Flag};
 use crate::errors::{invalid, to_pyerr, Error};
-use crate::pool::{cached_prefix, extract_ids, stored_meta, to_hash, PyBlockPool};
+use crate::pool::{
+    cached_prefix, extract_ids, request_retention, stored_meta, to_hash, PyBlockPool, PyRetention,
+};
 use crate::request::{prefetch_ahead, CoreCast};
 
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
@@ -137,6 +139,9 @@ impl PyUnitaryFullAttention {
         request: &Bound<'py, PyAny>,
         args: AllocateArgs<'_>,
     ) -> PyResult<Option<Vec<BlockId>>> {
+        // Retention and pin deadlines due now change what is free (kvcore extension; one
+        // comparison when none exists).
+        PyBlockPool::expire_due(self.pool.bind(py))?;
         // A kvcore Request keeps these four fields in its native base: read them directly.
         let core = self.cast.borrow(request)?;
         let id_obj;
@@ -482,13 +487,30 @@ impl PyUnitaryFullAttention {
     }
 
     /// SPEC MGR-20.
-    fn free(&mut self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// The request's `retention_priority` / `retention_ttl_s` (kvcore extension), or
+    /// `retention` when given, place its cached blocks in the free queue.
+    #[pyo3(signature = (request, retention = None))]
+    fn free(
+        &mut self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        retention: Option<&Bound<'_, PyRetention>>,
+    ) -> PyResult<()> {
         let id = Self::request_id(request)?;
+        let retention = match retention {
+            Some(r) => r.get().retention(),
+            None => request_retention(request)?,
+        };
+        let now = if retention.ttl_s().is_some() {
+            PyBlockPool::now(self.pool.bind(py))?
+        } else {
+            0.0
+        };
         let mut pool = self.pool.try_borrow_mut(py)?;
         Ok(self
             .core
             .tables
-            .free(pool.core_mut(), &id_key(&id)?)
+            .free_retained(pool.core_mut(), &id_key(&id)?, retention, now)
             .map_err(Error::Pool)?)
     }
 

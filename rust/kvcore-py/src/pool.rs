@@ -5,6 +5,7 @@
 
 use kvcore_core::events::{MetaRequest, StoredMeta};
 use kvcore_core::hash::BlockHash;
+use kvcore_core::pool::retention::{Retention, DEFAULT_PRIORITY};
 use kvcore_core::pool::{BlockId, BlockPool, HashSource};
 use kvcore_core::PoolError;
 use pyo3::exceptions::{PyAssertionError, PyIndexError, PyTypeError};
@@ -225,6 +226,130 @@ fn needs_extra_keys(py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<bool
 #[pyclass(module = "kvcore._native", name = "BlockPool")]
 pub struct PyBlockPool {
     inner: BlockPool,
+    /// The clock retention and pin deadlines are read from (`time.monotonic` when `None`).
+    clock: Option<PyObject>,
+}
+
+/// `kvcore._native.Retention`: a validated retention priority and time to live, the form in
+/// which a request's retention reaches `BlockPool.free_blocks` (kvcore extension).
+#[pyclass(module = "kvcore._native", name = "Retention", frozen)]
+pub struct PyRetention {
+    inner: Retention,
+}
+
+#[pymethods]
+impl PyRetention {
+    #[new]
+    #[pyo3(signature = (priority = None, ttl_s = None))]
+    fn new(
+        priority: Option<&Bound<'_, PyAny>>,
+        ttl_s: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            inner: retention_of(priority, ttl_s)?,
+        })
+    }
+
+    /// The priority, 0..=100 (50 when none was given).
+    #[getter]
+    fn priority(&self) -> u8 {
+        self.inner.priority()
+    }
+
+    /// The time to live in seconds, or None.
+    #[getter]
+    fn ttl_s(&self) -> Option<f64> {
+        self.inner.ttl_s()
+    }
+
+    /// Whether this is priority 50 without a time to live (the reference's LRU).
+    #[getter]
+    fn is_default(&self) -> bool {
+        self.inner.is_default()
+    }
+
+    fn __repr__(&self) -> String {
+        match self.inner.ttl_s() {
+            Some(t) => format!("Retention(priority={}, ttl_s={t:?})", self.inner.priority()),
+            None => format!("Retention(priority={}, ttl_s=None)", self.inner.priority()),
+        }
+    }
+}
+
+impl PyRetention {
+    /// The core retention.
+    pub fn retention(&self) -> Retention {
+        self.inner
+    }
+}
+
+/// Reads a retention priority (None: 50; an int, not a bool) and time to live (None, or a
+/// real number of seconds, not a bool) into a validated [`Retention`].
+pub(crate) fn retention_of(
+    priority: Option<&Bound<'_, PyAny>>,
+    ttl_s: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Retention> {
+    let priority = match priority.filter(|p| !p.is_none()) {
+        None => i64::from(DEFAULT_PRIORITY),
+        Some(p) if p.is_instance_of::<PyBool>() => {
+            return Err(type_error("retention_priority", "an int", p))
+        }
+        Some(p) => match int_of(p, "retention_priority")? {
+            Int::V(v) => v,
+            _ => i64::MAX,
+        },
+    };
+    let ttl = match ttl_s.filter(|t| !t.is_none()) {
+        None => None,
+        Some(t) if t.is_instance_of::<PyBool>() => {
+            return Err(type_error("retention_ttl_s", "a number of seconds", t))
+        }
+        Some(t) => Some(
+            t.extract::<f64>()
+                .map_err(|_| type_error("retention_ttl_s", "a number of seconds", t))?,
+        ),
+    };
+    Ok(Retention::new(priority, ttl).map_err(Error::Pool)?)
+}
+
+/// Reads a request's retention from its `retention_priority` and `retention_ttl_s`
+/// attributes (missing ones count as None).
+pub(crate) fn request_retention(request: &Bound<'_, PyAny>) -> PyResult<Retention> {
+    let py = request.py();
+    let p = optional_attr(request, intern!(py, "retention_priority"))?;
+    let t = optional_attr(request, intern!(py, "retention_ttl_s"))?;
+    if p.is_none() && t.is_none() {
+        return Ok(Retention::DEFAULT);
+    }
+    retention_of(p.as_ref(), t.as_ref())
+}
+
+fn optional_attr<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &Bound<'py, pyo3::types::PyString>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    match obj.getattr(name) {
+        Ok(v) if v.is_none() => Ok(None),
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(obj.py()) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Reads one hash list per group for `pin_prefix` / `unpin_prefix`.
+fn pin_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<(u32, Vec<BlockHash>)>> {
+    let mut out = Vec::new();
+    for item in groups.try_iter()? {
+        let item = item?;
+        let (g, hashes): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+        let g = group_id_of(&g)?;
+        let mut hs = Vec::new();
+        for h in hashes.try_iter()? {
+            hs.push(to_hash(&h?)?);
+        }
+        out.push((g, hs));
+    }
+    Ok(out)
 }
 
 #[pymethods]
@@ -269,7 +394,7 @@ impl PyBlockPool {
         let inner = py
             .allow_threads(|| BlockPool::new(n, enable_caching, hbs, enable_kv_cache_events))
             .map_err(Error::Pool)?;
-        Ok(Self { inner })
+        Ok(Self { inner, clock: None })
     }
 
     /// Number of blocks, the null block included.
@@ -350,13 +475,112 @@ impl PyBlockPool {
             .map_err(Error::Pool)?)
     }
 
-    fn free_blocks(slf: &Bound<'_, Self>, ordered_blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// SPEC POOL-10; `retention` (kvcore extension) places the cached blocks by priority and
+    /// time to live.
+    #[pyo3(signature = (ordered_blocks, retention = None))]
+    fn free_blocks(
+        slf: &Bound<'_, Self>,
+        ordered_blocks: &Bound<'_, PyAny>,
+        retention: Option<&Bound<'_, PyRetention>>,
+    ) -> PyResult<()> {
         let ids = extract_ids(num_blocks(slf)?, ordered_blocks)?;
+        let retention = retention.map_or(Retention::DEFAULT, |r| r.get().inner);
+        let now = if retention.ttl_s().is_some() {
+            Self::now(slf)?
+        } else {
+            0.0
+        };
         Ok(slf
             .try_borrow_mut()?
             .inner
-            .free_blocks(&ids)
+            .free_blocks_retained(ids.iter().copied(), retention, now)
             .map_err(Error::Pool)?)
+    }
+
+    /// The clock deadlines are read from (kvcore extension): a callable returning seconds, or
+    /// None for `time.monotonic`.
+    #[getter]
+    fn get_clock(&self, py: Python<'_>) -> Option<PyObject> {
+        self.clock.as_ref().map(|c| c.clone_ref(py))
+    }
+
+    #[setter]
+    fn set_clock(&mut self, clock: Option<PyObject>) {
+        self.clock = clock;
+    }
+
+    /// Router-exact events (kvcore extension): `BlockStored` for a key's first block only,
+    /// `BlockRemoved` when its last block leaves.
+    #[getter]
+    fn get_exact_router_events(&self) -> bool {
+        self.inner.exact_router_events()
+    }
+
+    #[setter]
+    fn set_exact_router_events(&mut self, on: Flag) {
+        self.inner.set_exact_router_events(on.0);
+    }
+
+    /// Applies the retention and pin deadlines that are due by the clock (kvcore extension);
+    /// reads the clock only when a deadline exists.
+    fn expire(slf: &Bound<'_, Self>) -> PyResult<()> {
+        Self::expire_due(slf)
+    }
+
+    /// Pins every cached copy of the leading hashes of each `(group_id, hashes)` (kvcore
+    /// extension); returns per group how many leading hashes are pinned.
+    #[pyo3(signature = (groups, ttl_s = None, max_pinned = usize::MAX))]
+    fn pin_prefix(
+        slf: &Bound<'_, Self>,
+        groups: &Bound<'_, PyAny>,
+        ttl_s: Option<&Bound<'_, PyAny>>,
+        max_pinned: usize,
+    ) -> PyResult<Vec<usize>> {
+        let groups = pin_groups(groups)?;
+        let ttl = match ttl_s.filter(|t| !t.is_none()) {
+            None => None,
+            Some(t) if t.is_instance_of::<PyBool>() => {
+                return Err(type_error("ttl_s", "a number of seconds", t))
+            }
+            Some(t) => Some(
+                t.extract::<f64>()
+                    .map_err(|_| type_error("ttl_s", "a number of seconds", t))?,
+            ),
+        };
+        let now = if ttl.is_some() { Self::now(slf)? } else { 0.0 };
+        let views: Vec<(u32, &[BlockHash])> =
+            groups.iter().map(|(g, h)| (*g, h.as_slice())).collect();
+        Ok(slf
+            .try_borrow_mut()?
+            .inner
+            .pin_prefix(&views, ttl, now, max_pinned)
+            .map_err(Error::Pool)?)
+    }
+
+    /// Releases the pins of the leading hashes of each `(group_id, hashes)` (kvcore
+    /// extension); returns per group how many leading hashes were released.
+    fn unpin_prefix(slf: &Bound<'_, Self>, groups: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+        let groups = pin_groups(groups)?;
+        let views: Vec<(u32, &[BlockHash])> =
+            groups.iter().map(|(g, h)| (*g, h.as_slice())).collect();
+        Ok(slf.try_borrow_mut()?.inner.unpin_prefix(&views))
+    }
+
+    /// Number of pinned blocks (kvcore extension).
+    #[getter]
+    fn num_pinned_blocks(&self) -> usize {
+        self.inner.num_pinned_blocks()
+    }
+
+    /// Whether each block is pinned (kvcore extension).
+    fn are_pinned(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let ids = extract_ids(self.inner.num_blocks(), block_ids)?;
+        Ok(ids.iter().map(|&b| self.inner.is_pinned(b)).collect())
+    }
+
+    /// Makes every cached block unfindable while requests run (kvcore extension).
+    fn invalidate_prefix_cache(&mut self) {
+        self.inner.invalidate_prefix_cache();
     }
 
     #[pyo3(signature = (request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask = None))]
@@ -779,6 +1003,38 @@ impl PyBlockPool {
 }
 
 impl PyBlockPool {
+    /// Reads the clock (no borrow of the pool is held while it runs).
+    pub fn now(slf: &Bound<'_, Self>) -> PyResult<f64> {
+        let py = slf.py();
+        let clock = slf.try_borrow()?.clock.as_ref().map(|c| c.clone_ref(py));
+        let t = match clock {
+            Some(c) => c.call0(py)?,
+            None => py.import("time")?.getattr("monotonic")?.call0()?.unbind(),
+        };
+        let t = t.bind(py);
+        let v = t
+            .extract::<f64>()
+            .ok()
+            .filter(|v| !v.is_nan())
+            .ok_or_else(|| invalid(format!("the clock must return seconds as a float, got {t}")))?;
+        Ok(v)
+    }
+
+    /// [`Self::expire`]: reads the clock only when a deadline exists, then applies what is
+    /// due.
+    pub fn expire_due(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let next = slf.try_borrow()?.inner.next_expiry();
+        if next == f64::INFINITY {
+            return Ok(());
+        }
+        let now = Self::now(slf)?;
+        let mut me = slf.try_borrow_mut()?;
+        if me.inner.needs_expire(now) {
+            me.inner.expire(now);
+        }
+        Ok(())
+    }
+
     /// The core pool, for other binding modules.
     pub fn core(&self) -> &BlockPool {
         &self.inner

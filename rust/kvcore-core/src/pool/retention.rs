@@ -1,4 +1,4 @@
-//! Cache control beyond LRU (kvcore extensions, docs/behaviour.md §11): the retention a request
+//! Cache control beyond LRU (kvcore extensions, docs/behaviour.md §21): the retention a request
 //! gives its blocks when it frees them, the deadlines of retention times to live, and pins.
 //!
 //! The free queue itself ([`super::BlockPool`]) keeps one list per level; this module holds
@@ -19,6 +19,20 @@ pub const DEFAULT_PRIORITY: u8 = 50;
 
 /// Highest retention priority.
 pub const MAX_PRIORITY: u8 = 100;
+
+/// Checks a time to live: a finite number of seconds, at least 0.
+///
+/// # Errors
+/// [`PoolError::Invalid`] naming `what` otherwise.
+pub fn check_ttl(ttl_s: f64, what: &str) -> Result<(), PoolError> {
+    if ttl_s.is_finite() && ttl_s >= 0.0 {
+        Ok(())
+    } else {
+        Err(PoolError::Invalid(format!(
+            "{what} must be a finite number of seconds >= 0 or None, got {ttl_s}"
+        )))
+    }
+}
 
 /// How a request's freed blocks are kept: evicted lowest priority first, and, once `ttl_s`
 /// seconds have passed since the free, the next to be evicted.
@@ -56,11 +70,7 @@ impl Retention {
                 ))
             })?;
         if let Some(t) = ttl_s {
-            if !(t.is_finite() && t >= 0.0) {
-                return Err(PoolError::Invalid(format!(
-                    "retention_ttl_s must be a finite number of seconds >= 0 or None, got {t}"
-                )));
-            }
+            check_ttl(t, "retention_ttl_s")?;
         }
         Ok(Self { priority, ttl_s })
     }

@@ -133,7 +133,7 @@ fn pins_hold_blocks_and_count_as_used() {
     let mut p = pool(6);
     let b = cached_free(&mut p, &[h(1), h(2), h(3)], Retention::DEFAULT, 0.0);
     let counts = p
-        .pin_prefix(&[(0, &[h(1), h(2), h(9), h(3)])], None, 5)
+        .pin_prefix(&[(0, &[h(1), h(2), h(9), h(3)])], None, 0.0, 5)
         .unwrap();
     assert_eq!(counts, vec![2]);
     assert_eq!(p.num_pinned_blocks(), 2);
@@ -155,7 +155,7 @@ fn pin_bound_pins_nothing() {
     cached_free(&mut p, &[h(1), h(2), h(3)], Retention::DEFAULT, 0.0);
     let before = p.all_free_block_ids();
     assert!(matches!(
-        p.pin_prefix(&[(0, &[h(1), h(2), h(3)])], None, 2),
+        p.pin_prefix(&[(0, &[h(1), h(2), h(3)])], None, 0.0, 2),
         Err(PoolError::PinLimit { requested: 3, .. })
     ));
     assert_eq!(p.num_pinned_blocks(), 0);
@@ -166,7 +166,7 @@ fn pin_bound_pins_nothing() {
 fn pin_expiry_releases() {
     let mut p = pool(4);
     cached_free(&mut p, &[h(1)], Retention::DEFAULT, 0.0);
-    p.pin_prefix(&[(0, &[h(1)])], Some(3.0), 3).unwrap();
+    p.pin_prefix(&[(0, &[h(1)])], Some(3.0), 0.0, 3).unwrap();
     p.expire(2.0);
     assert_eq!(p.num_pinned_blocks(), 1);
     p.expire(3.0);
@@ -179,7 +179,7 @@ fn pin_expiry_releases() {
 fn reset_releases_pins_when_only_they_hold_blocks() {
     let mut p = pool(5);
     cached_free(&mut p, &[h(1)], Retention::DEFAULT, 0.0);
-    p.pin_prefix(&[(0, &[h(1)])], None, 3).unwrap();
+    p.pin_prefix(&[(0, &[h(1)])], None, 0.0, 3).unwrap();
     let held = p.get_new_blocks(1).unwrap();
     assert!(!p.reset_prefix_cache());
     assert_eq!(p.num_pinned_blocks(), 1);
