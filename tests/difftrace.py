@@ -25,6 +25,7 @@ the reference's hasher so that the comparison isolates the manager.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -98,6 +99,8 @@ class TraceConfig:
         mamba_align_split: Apply the scheduler's block-aligned split (mamba align mode).
         log_stats: Manager ``log_stats``; prefix-cache stats are compared every step.
         skip_reading: Give some requests ``skip_reading_prefix_cache`` (MGR-6).
+        dcp: Decode context-parallel world size.
+        pcp: Prefill context-parallel world size.
     """
 
     name: str
@@ -121,6 +124,8 @@ class TraceConfig:
     mamba_align_split: bool = False
     log_stats: bool = False
     skip_reading: bool = True
+    dcp: int = 1
+    pcp: int = 1
 
 
 def _g(kind: str, bs: int = 16, **kw: Any) -> GroupDesc:
@@ -225,6 +230,31 @@ CONFIGS: tuple[TraceConfig, ...] = (
         num_blocks=128,
         watermark=0.05,
     ),
+)
+
+
+def _context_parallel(cfg: TraceConfig, dcp: int, pcp: int) -> TraceConfig:
+    """``cfg`` under context parallelism: the scheduler's and hash block size grow by
+    ``dcp * pcp`` (the reference's single-group rule, ``resolve_kv_cache_block_sizes``)."""
+    k = dcp * pcp
+    suffix = f"dcp{dcp}" if pcp == 1 else f"pcp{pcp}"
+    return dataclasses.replace(
+        cfg,
+        name=f"{cfg.name}-{suffix}",
+        dcp=dcp,
+        pcp=pcp,
+        scheduler_block_size=cfg.scheduler_block_size * k,
+        hash_block_size=cfg.hash_block_size * k,
+    )
+
+
+#: Every single-group configuration (context parallelism is single-group only in the reference)
+#: with ``dcp_world_size`` 2 and 4 and ``pcp_world_size`` 2.
+CP_CONFIGS: tuple[TraceConfig, ...] = tuple(
+    _context_parallel(c, dcp, pcp)
+    for c in CONFIGS
+    if len(c.groups) == 1
+    for dcp, pcp in ((2, 1), (4, 1), (1, 2))
 )
 
 
@@ -355,6 +385,8 @@ def _manager_kwargs(cfg: TraceConfig) -> dict[str, Any]:
         "enable_kv_cache_events": cfg.events,
         "watermark": cfg.watermark,
         "log_stats": cfg.log_stats,
+        "dcp_world_size": cfg.dcp,
+        "pcp_world_size": cfg.pcp,
     }
 
 

@@ -8,7 +8,8 @@ compares, after every call, the return value, the KV events, the free-queue orde
 Configurations cover the three coordinators (no prefix cache, unitary, hybrid), every manager
 type compared (full, sliding window, chunked local, Mamba none/align/all, cross-attention with
 caching off, RSWA) and hybrid mixes, including groups of different block sizes with
-``hash_block_size < block_size``.  Sink full attention (SINK-1) is broken in the reference and is
+``hash_block_size < block_size``; every single-group configuration also runs with
+``dcp_world_size`` 2 and 4 and ``pcp_world_size`` 2 (``CP_CONFIGS``).  Sink full attention (SINK-1) is broken in the reference and is
 never compared.
 
 Environment: ``KVCORE_DIFFTEST_SEEDS`` (default 12) seeds and ``KVCORE_DIFFTEST_CALLS``
@@ -26,6 +27,7 @@ pytest.importorskip("vllm.v1.core.kv_cache_manager")
 
 from difftrace import (
     CONFIGS,
+    CP_CONFIGS,
     BothRaised,
     GroupDesc,
     KvcoreSide,
@@ -49,6 +51,14 @@ _BY_NAME = {c.name: c for c in CONFIGS}
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 def test_trace_matches_reference(cfg: TraceConfig, seed: int) -> None:
     """A seeded trace gives identical results, events and pool state on both managers."""
+    run_trace(cfg, seed, CALLS)
+
+
+@pytest.mark.usefixtures("hash_seed")
+@pytest.mark.parametrize("seed", SEEDS[:4], ids=lambda s: f"s{s}")
+@pytest.mark.parametrize("cfg", CP_CONFIGS, ids=lambda c: c.name)
+def test_context_parallel_trace_matches_reference(cfg: TraceConfig, seed: int) -> None:
+    """With decode or prefill context parallelism every call agrees too (DCP-1, MGR-26)."""
     run_trace(cfg, seed, CALLS)
 
 

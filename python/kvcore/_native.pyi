@@ -23,8 +23,8 @@ __all__ = [
     "KvcoreError",
     "NoFreeBlocksError",
     "RequestBlockHasher",
-    "Retention",
     "RequestCore",
+    "Retention",
     "TokenIds",
     "UnitaryFullAttention",
     "__version__",
@@ -209,6 +209,7 @@ class UnitaryFullAttention:
         use_eagle: bool,
         blocks_cls: Any,
         empty: Any,
+        spec_block_size: int | None = None,
     ) -> UnitaryFullAttention: ...
     def get_computed_blocks(self, request: Any) -> tuple[Any, int]: ...
     def allocate_slots(

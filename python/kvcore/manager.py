@@ -335,6 +335,7 @@ class KVCacheManager:
             stm.use_eagle,
             KVCacheBlocks,
             self.empty_kv_cache_blocks,
+            stm.kv_cache_spec.block_size,
         )
         self._native = native
         names = [

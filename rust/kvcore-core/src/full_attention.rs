@@ -558,6 +558,9 @@ pub struct UnitaryFullAttention {
     max_model_len: usize,
     watermark_blocks: usize,
     use_eagle: bool,
+    /// The spec's block size: the tables' block size divided by the context-parallel world
+    /// size (SPEC MGR-26 counts computed tokens in it).
+    spec_block_size: usize,
 }
 
 impl UnitaryFullAttention {
@@ -588,7 +591,39 @@ impl UnitaryFullAttention {
             max_model_len,
             watermark_blocks,
             use_eagle,
+            spec_block_size: block_size,
         })
+    }
+
+    /// Sets the spec's block size, for context parallelism: the tables' block size is
+    /// `spec_block_size * dcp_world_size * pcp_world_size` (SPEC §18).
+    ///
+    /// # Errors
+    /// [`PoolError::Invalid`] when `spec_block_size` is 0 or does not divide the block size.
+    pub fn with_spec_block_size(mut self, spec_block_size: usize) -> Result<Self, PoolError> {
+        if spec_block_size == 0 || !self.tables.block_size().is_multiple_of(spec_block_size) {
+            return Err(PoolError::Invalid(format!(
+                "spec block size {spec_block_size} must divide the block size {}",
+                self.tables.block_size()
+            )));
+        }
+        self.spec_block_size = spec_block_size;
+        Ok(self)
+    }
+
+    /// SPEC MGR-26: the request's leading blocks that cover `num_computed_tokens` tokens, in
+    /// the spec's block size (with context parallelism a block holds `dcp * pcp` times as many
+    /// tokens, but the reference clips by the spec's size).
+    pub fn block_ids_for_computed_tokens(
+        &self,
+        id: &str,
+        num_computed_tokens: usize,
+    ) -> &[BlockId] {
+        let blocks = self.tables.blocks(id);
+        let keep = num_computed_tokens
+            .div_ceil(self.spec_block_size)
+            .min(blocks.len());
+        &blocks[..keep]
     }
 
     /// Checks the tables ([`FullAttentionTables::check_invariants`]) and the pool
@@ -994,6 +1029,30 @@ mod tests {
         };
         assert_eq!(alloc(&mut m, &mut p, req("x", 32, 48), a, &[]), None);
         m.check_invariants(&p).unwrap();
+    }
+
+    #[test]
+    fn mgr_26_counts_computed_tokens_in_the_spec_block_size() {
+        // dcp_world_size 2: blocks of 32 tokens, the spec's 16 (the reference clips by 16).
+        let mut p = BlockPool::new(10, false, 32, false).unwrap();
+        let m = UnitaryFullAttention::new(&p, 32, false, 1024, 0, false)
+            .unwrap()
+            .with_spec_block_size(16)
+            .unwrap();
+        let mut m = m;
+        let a = AllocateArgs {
+            num_new_tokens: 150,
+            ..Default::default()
+        };
+        let got = alloc(&mut m, &mut p, req("x", 0, 150), a, &[]).unwrap();
+        assert_eq!(got.len(), 5);
+        assert_eq!(m.block_ids_for_computed_tokens("x", 28), &got[..2]);
+        assert_eq!(m.block_ids_for_computed_tokens("x", 75), &got[..5]);
+        assert_eq!(m.block_ids_for_computed_tokens("x", 0), &[] as &[BlockId]);
+        assert!(UnitaryFullAttention::new(&p, 32, false, 1024, 0, false)
+            .unwrap()
+            .with_spec_block_size(12)
+            .is_err());
     }
 
     #[test]

@@ -269,6 +269,7 @@ impl PyUnitaryFullAttention {
 #[pymethods]
 impl PyUnitaryFullAttention {
     #[new]
+    #[pyo3(signature = (pool, block_size, record_new_block_ids, max_model_len, watermark_blocks, use_eagle, blocks_cls, empty, spec_block_size = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -280,6 +281,7 @@ impl PyUnitaryFullAttention {
         use_eagle: bool,
         blocks_cls: PyObject,
         empty: PyObject,
+        spec_block_size: Option<i64>,
     ) -> PyResult<Self> {
         let bs = count(block_size, "block_size")?;
         let mml = count(max_model_len, "max_model_len")?;
@@ -293,6 +295,7 @@ impl PyUnitaryFullAttention {
             wm,
             use_eagle,
         )
+        .and_then(|c| c.with_spec_block_size(spec_block_size.map_or(bs, |v| v.max(0) as usize)))
         .map_err(Error::Pool)?;
         let empty_blocks = empty.getattr(py, intern!(py, "blocks"))?;
         Ok(Self {
@@ -546,9 +549,8 @@ impl PyUnitaryFullAttention {
     ) -> PyResult<Bound<'py, PyTuple>> {
         let id = id_key(request_id_of(request_id)?)?;
         let n = count_of(num_computed_tokens, "num_computed_tokens")?;
-        let blocks = self.core.tables.blocks(&id);
-        let keep = n.div_ceil(self.core.tables.block_size()).min(blocks.len());
-        PyTuple::new(py, [PyList::new(py, &blocks[..keep])?])
+        let blocks = self.core.block_ids_for_computed_tokens(&id, n);
+        PyTuple::new(py, [PyList::new(py, blocks)?])
     }
 
     /// SPEC FA-2 (one value: the only group).
