@@ -17,10 +17,12 @@ __all__ = [
     "BlockStored",
     "DoubleFreeError",
     "InvalidArgumentError",
+    "InvariantViolationError",
     "KVCacheBlockView",
     "KVCacheBlocksBase",
     "KVCacheEvent",
     "KvcoreError",
+    "MissingBlocksError",
     "NoFreeBlocksError",
     "RequestBlockHasher",
     "RequestCore",
@@ -61,6 +63,12 @@ class ArgumentTypeError(KvcoreError, TypeError, AttributeError):
 
 class ArgumentOverflowError(KvcoreError, OverflowError, ValueError):
     """An int argument outside the range kvcore represents (a group id beyond 32 bits)."""
+
+class InvariantViolationError(KvcoreError, AssertionError):
+    """A call that breaks a manager invariant where the reference asserts, e.g. prefix hits for a request that is already running (SPEC COORD-5)."""
+
+class MissingBlocksError(InvalidArgumentError, IndexError):
+    """A request holds fewer blocks than the call needs, e.g. caching blocks it was never given (the reference fails indexing its block list)."""
 
 @final
 class KVCacheBlockView:

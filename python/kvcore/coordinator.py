@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcore._native import BlockPool, Retention
-from kvcore.errors import InvalidArgumentError, InvalidConfigError, InvariantViolationError
+from kvcore.errors import (
+    InvalidArgumentError,
+    InvalidConfigError,
+    InvariantViolationError,
+    MissingBlocksError,
+)
 from kvcore.single_type import (
     BlockPoolLike,
     CrossAttentionManager,
@@ -349,7 +354,7 @@ class KVCacheCoordinator:
                 blocks = m.req_to_blocks.get(request_id)
                 have = len(blocks) if blocks is not None else 0
                 if have < full:
-                    raise InvalidArgumentError(
+                    raise MissingBlocksError(
                         f"request {request_id!r} holds {have} blocks in group "
                         f"{m.kv_cache_group_id}, fewer than the {full} full ones"
                     )

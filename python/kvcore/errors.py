@@ -12,17 +12,28 @@ from __future__ import annotations
 from kvcore._native import (
     ArgumentOverflowError,
     ArgumentTypeError,
+    BlockIdError,
+    BlockStateError,
+    DoubleFreeError,
     InvalidArgumentError,
+    InvariantViolationError,
     KvcoreError,
+    MissingBlocksError,
+    NoFreeBlocksError,
 )
 
 __all__ = [
     "ArgumentOverflowError",
     "ArgumentTypeError",
+    "BlockIdError",
+    "BlockStateError",
+    "DoubleFreeError",
     "InvalidArgumentError",
     "InvalidConfigError",
     "InvariantViolationError",
     "KvcoreError",
+    "MissingBlocksError",
+    "NoFreeBlocksError",
 ]
 
 
@@ -31,12 +42,4 @@ class InvalidConfigError(KvcoreError, ValueError, AssertionError):
 
     The reference asserts on most of these (COORD-2, COORD-7, COORD-9, SPEC-1) and raises
     ValueError on others (CFG-2, the retention interval); this class satisfies both handlers.
-    """
-
-
-class InvariantViolationError(KvcoreError, AssertionError):
-    """A call that breaks a manager invariant where the reference asserts.
-
-    Examples: prefix hits handed in for a request that is already running (COORD-5), or an
-    allocation on a request that already holds blocks (STM-4).
     """

@@ -165,12 +165,12 @@ def get_hash_fn_by_name(hash_fn_name: str) -> HashFunction:
         The function.
 
     Raises:
-        ValueError: Any other name.
+        InvalidArgumentError: (a ValueError) any other name.
     """
     try:
         return _FUNCTIONS[hash_fn_name]
     except (KeyError, TypeError):
-        raise ValueError(f"Unsupported hash function: {hash_fn_name}") from None
+        raise InvalidArgumentError(f"Unsupported hash function: {hash_fn_name}") from None
 
 
 NONE_HASH: BlockHash

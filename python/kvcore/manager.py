@@ -1025,7 +1025,17 @@ class KVCacheManager:
         Returns:
             Per group, ``cdiv(n, block_size)`` ids for attention groups; the whole list for
             Mamba, cross-attention and encoder-only groups.
+
+        Raises:
+            InvalidArgumentError: A negative count (the reference slices oddly).
+            ArgumentTypeError: A count that is not an int.
         """
+        if not isinstance(num_computed_tokens, int):
+            raise ArgumentTypeError("num_computed_tokens must be an int")
+        if num_computed_tokens < 0:
+            raise InvalidArgumentError(
+                f"num_computed_tokens must be non-negative, got {num_computed_tokens}"
+            )
         out: list[list[int]] = []
         for ids, bs in zip(self.get_block_ids(request_id), self._clip_sizes, strict=True):
             out.append(ids if bs is None else ids[: -(-num_computed_tokens // bs)])

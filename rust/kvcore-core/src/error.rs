@@ -72,6 +72,10 @@ pub enum PoolError {
         /// The bound.
         max: usize,
     },
+    /// A call that breaks a manager invariant (SPEC COORD-5: hits for a running request).
+    Invariant(String),
+    /// A request holds fewer blocks than the call needs (the reference fails indexing them).
+    MissingBlocks(String),
     /// Any other violated precondition.
     Invalid(String),
 }
@@ -133,7 +137,9 @@ impl fmt::Display for PoolError {
                 "pinning {requested} more blocks would exceed the bound of {max} pinned blocks \
                  ({pinned} pinned now); nothing was pinned"
             ),
-            Self::Invalid(msg) => f.write_str(msg),
+            Self::Invalid(msg) | Self::Invariant(msg) | Self::MissingBlocks(msg) => {
+                f.write_str(msg)
+            }
         }
     }
 }

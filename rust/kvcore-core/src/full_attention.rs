@@ -240,7 +240,7 @@ impl FullAttentionTables {
             .map_or((0, false), |r| (r.blocks.len(), r.num_cached.is_some()));
         if running {
             if !hits.is_empty() {
-                return Err(PoolError::Invalid(format!(
+                return Err(PoolError::Invariant(format!(
                     "request {id} is already running and cannot take prefix-cache hits"
                 )));
             }
@@ -374,7 +374,7 @@ impl FullAttentionTables {
             return Ok(());
         }
         let new = e.blocks.get(cached..full).ok_or_else(|| {
-            PoolError::Invalid(format!(
+            PoolError::MissingBlocks(format!(
                 "request {id} holds {} blocks, fewer than the {full} full ones",
                 e.blocks.len()
             ))

@@ -21,12 +21,15 @@ struct Classes {
     invalid_argument: Py<PyType>,
     argument_type: Py<PyType>,
     argument_overflow: Py<PyType>,
+    invariant_violation: Py<PyType>,
+    missing_blocks: Py<PyType>,
 }
 
 static CLASSES: GILOnceCell<Classes> = GILOnceCell::new();
 
-/// (name, builtin bases after `KvcoreError`, docstring)
-const SPECS: [(&str, &[&str], &str); 7] = [
+/// (name, bases after `KvcoreError`: built-in classes, or a class made earlier in this list,
+/// docstring)
+const SPECS: [(&str, &[&str], &str); 9] = [
     (
         "BlockIdError",
         &["IndexError", "AssertionError"],
@@ -64,6 +67,18 @@ const SPECS: [(&str, &[&str], &str); 7] = [
         &["OverflowError", "ValueError"],
         "An int argument outside the range kvcore represents (a group id beyond 32 bits).",
     ),
+    (
+        "InvariantViolationError",
+        &["AssertionError"],
+        "A call that breaks a manager invariant where the reference asserts, e.g. prefix hits \
+         for a request that is already running (SPEC COORD-5).",
+    ),
+    (
+        "MissingBlocksError",
+        &["InvalidArgumentError", "IndexError"],
+        "A request holds fewer blocks than the call needs, e.g. caching blocks it was never \
+         given (the reference fails indexing its block list).",
+    ),
 ];
 
 fn make_class<'py>(
@@ -92,11 +107,20 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         vec![builtins.getattr("Exception")?],
         "Base class of every exception kvcore raises.",
     )?;
-    let mut made = Vec::new();
+    let mut made: Vec<Py<PyType>> = Vec::new();
     for (name, extra, doc) in SPECS {
-        let mut bases = vec![base.bind(py).clone().into_any()];
+        let mut bases = Vec::new();
         for b in extra {
-            bases.push(builtins.getattr(*b)?);
+            match SPECS.iter().position(|s| s.0 == *b) {
+                Some(i) => bases.push(made[i].bind(py).clone().into_any()),
+                None => bases.push(builtins.getattr(*b)?),
+            }
+        }
+        if !bases.iter().any(|b| {
+            b.downcast::<PyType>()
+                .is_ok_and(|t| t.is_subclass(base.bind(py)).unwrap_or(false))
+        }) {
+            bases.insert(0, base.bind(py).clone().into_any());
         }
         made.push(make_class(py, name, bases, doc)?);
     }
@@ -105,7 +129,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add(*name, ty.bind(py))?;
     }
     let mut it = made.into_iter();
-    let mut next = || it.next().expect("SPECS has seven entries");
+    let mut next = || it.next().expect("SPECS has nine entries");
     let classes = Classes {
         block_id: next(),
         no_free_blocks: next(),
@@ -114,6 +138,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         invalid_argument: next(),
         argument_type: next(),
         argument_overflow: next(),
+        invariant_violation: next(),
+        missing_blocks: next(),
     };
     // A second initialisation of the module (sub-interpreters) keeps the first classes.
     let _ = CLASSES.set(py, classes);
@@ -170,6 +196,8 @@ pub fn to_pyerr(e: PoolError) -> PyErr {
             | PoolError::InvalidHash(_)
             | PoolError::PinLimit { .. }
             | PoolError::Invalid(_) => &c.invalid_argument,
+            PoolError::Invariant(_) => &c.invariant_violation,
+            PoolError::MissingBlocks(_) => &c.missing_blocks,
         };
         PyErr::from_type(ty.bind(py).clone(), e.to_string())
     })

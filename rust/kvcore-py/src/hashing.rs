@@ -8,7 +8,6 @@
 use kvcore_core::hash::BlockHash;
 use kvcore_core::hashing::{BlockHasher, HashError, HashFn};
 use kvcore_core::value::Value;
-use pyo3::exceptions::PyValueError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
@@ -24,7 +23,7 @@ fn hash_fn(name: &str) -> PyResult<HashFn> {
 }
 
 fn to_py_err(e: HashError) -> PyErr {
-    PyValueError::new_err(e.to_string())
+    crate::errors::invalid(e.to_string())
 }
 
 /// Converts Python objects into owned [`Value`]s, refusing what the core cannot reproduce.

@@ -584,10 +584,10 @@ impl PyUnitaryFullAttention {
         let full = n / tables.block_size();
         let cached = tables.get(&id).and_then(|r| r.num_cached).unwrap_or(0);
         if cached < full && tables.blocks(&id).len() < full {
-            return Err(invalid(format!(
+            return Err(to_pyerr(PoolError::MissingBlocks(format!(
                 "request {id_obj} holds {} blocks, fewer than the {full} full ones",
                 tables.blocks(&id).len()
-            )));
+            ))));
         }
         let hashes = request.getattr(intern!(py, "block_hashes"))?;
         let len = hashes.len()?;

@@ -437,15 +437,20 @@ impl PyBlockPool {
         self.inner.get_num_free_blocks()
     }
 
-    fn get_usage(&self, py: Python<'_>) -> PyResult<PyObject> {
-        Ok(match self.inner.get_usage() {
+    fn get_usage(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<PyObject> {
+        let usage = slf.try_borrow()?.inner.get_usage();
+        Ok(match usage {
             Some(u) => u.into_pyobject(py)?.into_any().unbind(),
             None => 0i64.into_pyobject(py)?.into_any().unbind(),
         })
     }
 
-    fn get_new_blocks(&mut self, num_blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        let free = self.inner.get_num_free_blocks();
+    // Methods that return lists take `slf` and end their borrow before the result becomes a
+    // Python object: allocating one can run a collection, whose finalizers can switch threads,
+    // and another thread must then find the pool free.
+    fn get_new_blocks(slf: &Bound<'_, Self>, num_blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let mut me = slf.try_borrow_mut()?;
+        let free = me.inner.get_num_free_blocks();
         let n = match int_of(num_blocks, "num_blocks")? {
             Int::V(v) if v < 0 => return Err(to_pyerr(PoolError::NegativeCount(v))),
             Int::Below => {
@@ -463,7 +468,7 @@ impl PyBlockPool {
                 ))
             }
         };
-        Ok(self.inner.get_new_blocks(n).map_err(Error::Pool)?)
+        Ok(me.inner.get_new_blocks(n).map_err(Error::Pool)?)
     }
 
     fn touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -573,9 +578,10 @@ impl PyBlockPool {
     }
 
     /// Whether each block is pinned (kvcore extension).
-    fn are_pinned(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
-        let ids = extract_ids(self.inner.num_blocks(), block_ids)?;
-        Ok(ids.iter().map(|&b| self.inner.is_pinned(b)).collect())
+    fn are_pinned(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let ids = extract_ids(num_blocks(slf)?, block_ids)?;
+        let me = slf.try_borrow()?;
+        Ok(ids.iter().map(|&b| me.inner.is_pinned(b)).collect())
     }
 
     /// Makes every cached block unfindable while requests run (kvcore extension).
@@ -844,14 +850,19 @@ impl PyBlockPool {
     /// `[]` whatever the hash, a miss returns before later group ids are read, and a hash
     /// longer than any digest kvcore stores is a miss.
     fn get_cached_block(
-        &self,
+        slf: &Bound<'_, Self>,
         block_hash: &Bound<'_, PyAny>,
         kv_cache_group_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Vec<u32>>> {
+        // The group ids are read first (an iterator may run Python code).
+        let gids = kv_cache_group_ids
+            .try_iter()?
+            .map(|g| group_id_of(&g?))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let me = slf.try_borrow()?;
         let mut hash: Option<Option<BlockHash>> = None;
         let mut out = Vec::new();
-        for gid in kv_cache_group_ids.try_iter()? {
-            let gid = group_id_of(&gid?)?;
+        for gid in gids {
             let h = match hash {
                 Some(h) => h,
                 None => {
@@ -864,7 +875,7 @@ impl PyBlockPool {
             let Some(h) = h else {
                 return Ok(None);
             };
-            match self.inner.get_cached_block(&h, &[gid]) {
+            match me.inner.get_cached_block(&h, &[gid]) {
                 Some(found) => out.extend(found),
                 None => return Ok(None),
             }
@@ -874,7 +885,7 @@ impl PyBlockPool {
 
     #[pyo3(signature = (block_hashes, max_num_blocks, kv_cache_group_ids, stride = 1))]
     fn longest_cached_prefix(
-        &self,
+        slf: &Bound<'_, Self>,
         block_hashes: &Bound<'_, PyAny>,
         max_num_blocks: i64,
         kv_cache_group_ids: Vec<u32>,
@@ -885,7 +896,18 @@ impl PyBlockPool {
             .filter(|&s| s > 0)
             .ok_or_else(|| invalid("stride must be positive"))?;
         let max = non_negative(max_num_blocks, "max_num_blocks")?;
-        cached_prefix(&self.inner, block_hashes, max, &kv_cache_group_ids, stride)
+        // A list or tuple is read lazily under the borrow (indexing one runs no Python code);
+        // any other sequence is copied first.
+        if block_hashes.is_instance_of::<PyList>() || block_hashes.is_instance_of::<PyTuple>() {
+            let me = slf.try_borrow()?;
+            return cached_prefix(&me.inner, block_hashes, max, &kv_cache_group_ids, stride);
+        }
+        let copied = PyList::new(
+            slf.py(),
+            block_hashes.try_iter()?.collect::<PyResult<Vec<_>>>()?,
+        )?;
+        let me = slf.try_borrow()?;
+        cached_prefix(&me.inner, copied.as_any(), max, &kv_cache_group_ids, stride)
     }
 
     fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -897,10 +919,17 @@ impl PyBlockPool {
             .map_err(Error::Pool)?)
     }
 
-    fn reset_prefix_cache(&mut self, py: Python<'_>) -> PyResult<bool> {
-        let ok = self.inner.reset_prefix_cache();
+    fn reset_prefix_cache(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<bool> {
+        let (ok, used) = {
+            let mut me = slf.try_borrow_mut()?;
+            let ok = me.inner.reset_prefix_cache();
+            (
+                ok,
+                me.inner.num_blocks() - me.inner.get_num_free_blocks() - 1,
+            )
+        };
+        // Logging runs Python code: the pool is no longer borrowed.
         if !ok {
-            let used = self.inner.num_blocks() - self.inner.get_num_free_blocks() - 1;
             py.import("logging")?
                 .call_method1("getLogger", ("kvcore",))?
                 .call_method1(
@@ -933,10 +962,10 @@ impl PyBlockPool {
 
     /// The recorded operations as `(kind, block_id)` pairs in pool order: kind 0 allocated,
     /// 1 accessed, 2 evicted, 3 the prefix cache was reset (block id 0).
-    fn take_block_ops(&mut self) -> Vec<(u8, u32)> {
+    fn take_block_ops(slf: &Bound<'_, Self>) -> PyResult<Vec<(u8, u32)>> {
         use kvcore_core::pool::BlockOp;
-        self.inner
-            .take_block_ops()
+        let ops = slf.try_borrow_mut()?.inner.take_block_ops();
+        Ok(ops
             .into_iter()
             .map(|op| match op {
                 BlockOp::Allocated(b) => (0, b),
@@ -944,36 +973,39 @@ impl PyBlockPool {
                 BlockOp::Evicted(b) => (2, b),
                 BlockOp::Reset => (3, 0),
             })
-            .collect()
+            .collect())
     }
 
-    fn get_all_free_block_ids(&self) -> Vec<u32> {
-        self.inner.all_free_block_ids()
+    fn get_all_free_block_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<u32>> {
+        Ok(slf.try_borrow()?.inner.all_free_block_ids())
     }
 
-    fn get_ref_cnts(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
-        let ids = extract_ids(self.inner.num_blocks(), block_ids)?;
-        Ok(ids.iter().map(|&b| self.inner.ref_cnt(b)).collect())
+    fn get_ref_cnts(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+        let ids = extract_ids(num_blocks(slf)?, block_ids)?;
+        let me = slf.try_borrow()?;
+        Ok(ids.iter().map(|&b| me.inner.ref_cnt(b)).collect())
     }
 
-    fn count_evictable(&self, block_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let ids = extract_ids(self.inner.num_blocks(), block_ids)?;
-        Ok(self.inner.count_evictable(&ids))
+    fn count_evictable(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let ids = extract_ids(num_blocks(slf)?, block_ids)?;
+        Ok(slf.try_borrow()?.inner.count_evictable(&ids))
     }
 
     fn get_block_hashes<'py>(
-        &self,
+        slf: &Bound<'py, Self>,
         py: Python<'py>,
         block_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
-        let ids = extract_ids(self.inner.num_blocks(), block_ids)?;
-        Ok(ids
-            .iter()
-            .map(|&b| {
-                self.inner
-                    .primary_key(b)
-                    .map(|(k, _)| PyBytes::new(py, &k.to_bytes()))
-            })
+        let ids = extract_ids(num_blocks(slf)?, block_ids)?;
+        let keys: Vec<_> = {
+            let me = slf.try_borrow()?;
+            ids.iter()
+                .map(|&b| me.inner.primary_key(b).map(|(k, _)| k.to_bytes()))
+                .collect()
+        };
+        Ok(keys
+            .into_iter()
+            .map(|k| k.map(|k| PyBytes::new(py, &k)))
             .collect())
     }
 

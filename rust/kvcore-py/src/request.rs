@@ -13,7 +13,7 @@ use kvcore_core::full_attention::SlotHint;
 use kvcore_core::hash::BlockHash;
 use kvcore_core::prefetch::{prefetch, prefetch_lines};
 use pyo3::basic::CompareOp;
-use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::exceptions::PyIndexError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyIterator, PyList, PySlice, PyString, PyTuple, PyType};
@@ -490,7 +490,7 @@ impl PyRequestCore {
 /// its method called.
 ///
 /// Raises:
-///     ValueError: The two sequences differ in length (nothing is appended).
+///     InvalidArgumentError: The two sequences differ in length (nothing is appended).
 ///     TypeError: An entry is neither an int nor iterable; the requests before it keep their
 ///         tokens, as in the loop.
 #[pyfunction]
@@ -502,7 +502,7 @@ pub fn append_output_token_ids_batch(
     let name = intern!(py, "append_output_token_ids");
     let (n, m) = (requests.len()?, token_ids.len()?);
     if n != m {
-        return Err(PyValueError::new_err(format!(
+        return Err(crate::errors::invalid(format!(
             "{n} requests but {m} token entries"
         )));
     }
