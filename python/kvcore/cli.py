@@ -47,7 +47,17 @@ from kvcore.simulate.backends import (
     model_preset,
 )
 from kvcore.simulate.progress import make_progress
-from kvcore.simulate.report import combine, format_table, summarize
+from kvcore.simulate.report import combine, combine_lru, format_table, summarize
+from kvcore.simulate.retention import (
+    DEFAULT_PRIORITY_MIX,
+    MAX_TTL_S,
+    MAX_TTL_TEXT,
+    STEP_SECONDS,
+    PriorityTier,
+    RetentionSettings,
+    describe_mix,
+    parse_priority_mix,
+)
 from kvcore.simulate.scheduler import (
     ConfigError,
     SchedulerSettings,
@@ -58,6 +68,7 @@ from kvcore.simulate.scheduler import (
 from kvcore.simulate.trace import TraceError, TraceWorkload
 from kvcore.simulate.workload import (
     MAX_ARRIVAL_RATE,
+    MAX_SYSTEM_PROMPT_SKEW,
     MIN_SYNTHETIC_MODEL_LEN,
     ChatWorkloadParams,
     SyntheticChat,
@@ -83,6 +94,8 @@ MAX_SEED = 2**32 - 1
 DEFAULT_REQUESTS = 300
 DEFAULT_ARRIVAL_RATE = 0.5
 DEFAULT_SLIDING_WINDOW = 1024
+MAX_SYSTEM_PROMPTS = 1000
+"""Largest ``--system-prompts`` (they are generated before the run)."""
 
 _SUMMARIZING_NOTE = (
     b"kvcore simulate: still summarizing; press Ctrl-C again to quit without the summary\n"
@@ -133,6 +146,27 @@ def _number(lo: float, hi: float, *, lo_open: bool, hi_open: bool) -> Callable[[
         return value
 
     return parse
+
+
+def _pin_ttl(text: str) -> float:
+    """A flag type: a TTL in simulated seconds, in (0, MAX_TTL_S]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= MAX_TTL_S:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"expected a TTL in seconds, a number in (0, {MAX_TTL_TEXT}], got {text!r}"
+        )
+    return value
+
+
+def _priority_mix(text: str) -> tuple[PriorityTier, ...]:
+    """A flag type: a priority mix (see :func:`parse_priority_mix`)."""
+    try:
+        return parse_priority_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _trace_file(text: str) -> str:
@@ -209,6 +243,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RATE",
         help="synthetic workload only: new conversations per step, a number in "
         f"(0, {MAX_ARRIVAL_RATE:g}] (default: {DEFAULT_ARRIVAL_RATE})",
+    )
+    wl.add_argument(
+        "--system-prompts",
+        type=_integer(0, MAX_SYSTEM_PROMPTS, f"{MAX_SYSTEM_PROMPTS}"),
+        metavar="N",
+        help="synthetic workload only: number of system prompts (600 to 1600 tokens) the "
+        f"conversations share, an integer in [0, {MAX_SYSTEM_PROMPTS}] "
+        f"(default: {ChatWorkloadParams().num_system_prompts})",
+    )
+    wl.add_argument(
+        "--system-prompt-skew",
+        type=_number(0.0, MAX_SYSTEM_PROMPT_SKEW, lo_open=False, hi_open=False),
+        metavar="S",
+        help="synthetic workload only: popularity of the system prompts, a conversation "
+        "picking prompt k (from 0) with weight 1/(k+1)**S (Zipf), a number in "
+        f"[0, {MAX_SYSTEM_PROMPT_SKEW:g}] (default: 0, uniform)",
     )
     wl.add_argument(
         "--seed",
@@ -303,6 +353,37 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="do not require the whole sequence to fit at admission",
     )
+    rt = sim.add_argument_group(
+        "cache control (kvcore extensions)",
+        "Pins and retention priorities change which cached blocks are evicted; compare with "
+        "plain LRU eviction on the same workload (--compare lru). The manager's clock is "
+        f"simulated: {STEP_SECONDS:g} s per scheduler step, idle stretches included.",
+    )
+    rt.add_argument(
+        "--pin-system-prompts",
+        nargs="?",
+        const=math.inf,
+        type=_pin_ttl,
+        metavar="TTL",
+        help="synthetic workload only: pin each system prompt's full blocks "
+        "(KVCacheManager.pin_prefix) once a request has them cached. Without TTL a prompt "
+        "stays pinned for the run; with TTL (simulated seconds, a number in "
+        f"(0, {MAX_TTL_TEXT}]) each request using the prompt renews its pin, which lapses "
+        "after TTL seconds without one. The manager pins at most half of the blocks",
+    )
+    rt.add_argument(
+        "--priority-mix",
+        nargs="?",
+        const=parse_priority_mix(DEFAULT_PRIORITY_MIX),
+        type=_priority_mix,
+        metavar="MIX",
+        help="give every conversation (its turns alike) a retention priority drawn from MIX "
+        "(seeded by --seed): comma-separated PRIORITY:SHARE[:TTL] tiers, PRIORITY an integer "
+        "in [0, 100] (higher = cached blocks kept longer, 50 = default), SHARE the tier's "
+        "fraction in (0, 1] (the shares sum to 1), TTL the seconds a freed block keeps its "
+        f"priority, a number in [0, {MAX_TTL_TEXT}] (default: none). Without MIX: "
+        f"{DEFAULT_PRIORITY_MIX} (20%% high, 60%% default, 20%% low)",
+    )
     out = sim.add_argument_group("output")
     out.add_argument(
         "--backend",
@@ -312,9 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out.add_argument(
         "--compare",
-        choices=["reference"],
-        help="also replay through the reference (vLLM 0.25.1, which must be installed) and "
-        "compare speed and decisions; only with --backend kvcore",
+        choices=["reference", "lru"],
+        help="reference: also replay through the reference (vLLM 0.25.1, which must be "
+        "installed) and compare speed and decisions; lru: also replay the same workload with "
+        "plain LRU eviction (no pins, no priorities) and compare hit rate, preemptions and "
+        "evictions (the plot shows both); only with --backend kvcore",
     )
     out.add_argument(
         "--json", action="store_true", help="print one JSON object instead (no progress bar)"
@@ -348,7 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _misuse(args: argparse.Namespace) -> str | None:
     """Flags that parse one by one but not together: the message, or None."""
     if args.trace is not None:
-        for flag, value in (("--requests", args.requests), ("--arrival-rate", args.arrival_rate)):
+        for flag, value in (
+            ("--requests", args.requests),
+            ("--arrival-rate", args.arrival_rate),
+            ("--system-prompts", args.system_prompts),
+            ("--system-prompt-skew", args.system_prompt_skew),
+        ):
             if value is not None:
                 return f"{flag}: only for the synthetic workload, not with --trace"
     elif args.max_model_len < MIN_SYNTHETIC_MODEL_LEN:
@@ -360,28 +448,82 @@ def _misuse(args: argparse.Namespace) -> str | None:
         return "--sliding-window: only used by --model hybrid-swa"
     if args.compare is not None and args.backend == args.compare:
         return f"--compare {args.compare}: --backend is {args.backend} already (use kvcore)"
+    if args.compare == "lru" and args.backend != "kvcore":
+        return f"--compare lru: only with --backend kvcore, not {args.backend}"
+    for flag, value in (
+        ("--pin-system-prompts", args.pin_system_prompts),
+        ("--priority-mix", args.priority_mix),
+    ):
+        if value is None:
+            continue
+        if args.backend != "kvcore":
+            return f"{flag}: a kvcore extension, not with --backend {args.backend}"
+        if args.compare == "reference":
+            return f"{flag}: a kvcore extension, not with --compare reference (use --compare lru)"
+        if not args.prefix_caching:
+            return f"{flag}: needs prefix caching, not with --no-prefix-caching"
+    if args.pin_system_prompts is not None and args.trace is not None:
+        return "--pin-system-prompts: only for the synthetic workload, not with --trace"
     return None
+
+
+def _lru_retention(retention: RetentionSettings | None) -> RetentionSettings | None:
+    """What the plain-LRU run of ``--compare lru`` gets: with a priority mix, the same tier
+    draws, counted but not enforced (hit rates per tier on both sides); else nothing."""
+    if retention is None or not retention.priority_mix:
+        return None
+    return RetentionSettings(
+        priority_mix=retention.priority_mix, seed=retention.seed, enforce=False
+    )
+
+
+def _retention(args: argparse.Namespace) -> RetentionSettings | None:
+    """The cache control the flags ask for (None: plain LRU, as the reference)."""
+    if args.pin_system_prompts is None and args.priority_mix is None:
+        return None
+    ttl = args.pin_system_prompts
+    return RetentionSettings(
+        pin_system_prompts=ttl is not None,
+        pin_ttl_s=None if ttl is None or math.isinf(ttl) else ttl,
+        priority_mix=args.priority_mix or (),
+        seed=args.seed,
+    )
 
 
 def _workload(args: argparse.Namespace) -> Workload:
     if args.trace is not None:
         return TraceWorkload(args.trace, seed=args.seed)
+    defaults = ChatWorkloadParams()
     return SyntheticChat(
         ChatWorkloadParams(
             num_requests=DEFAULT_REQUESTS if args.requests is None else args.requests,
             seed=args.seed,
             arrival_rate=DEFAULT_ARRIVAL_RATE if args.arrival_rate is None else args.arrival_rate,
+            num_system_prompts=(
+                defaults.num_system_prompts if args.system_prompts is None else args.system_prompts
+            ),
+            system_prompt_skew=(
+                defaults.system_prompt_skew
+                if args.system_prompt_skew is None
+                else args.system_prompt_skew
+            ),
             max_model_len=args.max_model_len,
         )
     )
 
 
-def _header(args: argparse.Namespace, model: ModelPreset, workload: Workload) -> str:
-    return (
+def _header(
+    args: argparse.Namespace,
+    model: ModelPreset,
+    workload: Workload,
+    retention: RetentionSettings | None = None,
+) -> str:
+    text = (
         f"kvcore simulate: {len(workload)} requests ({workload.source}); {model.name} model, "
         f"{args.num_blocks} blocks x {args.block_size} tokens, {args.hash}, "
         f"events {'on' if args.events else 'off'}"
     )
+    return text if retention is None else f"{text}; {retention.describe()}"
 
 
 def _plural(n: int, word: str) -> str:
@@ -435,16 +577,18 @@ def _run_one(
     sched: SchedulerSettings,
     workload: Workload,
     interrupts: _Interrupts,
+    retention: RetentionSettings | None = None,
+    label: str | None = None,
 ) -> tuple[Simulator, bool]:
     """Runs one backend; returns the simulator and whether it was interrupted.
 
     Like a serving engine after start-up, the run starts with a collected and frozen heap
     (``gc.freeze``), so that neither backend pays for scanning what its imports allocated.
     """
-    sim = Simulator(backend, model, settings, sched, workload)
+    sim = Simulator(backend, model, settings, sched, workload, retention)
     interrupts.sim = sim
     progress = make_progress(
-        len(workload), backend.name, enabled=not (args.no_progress or args.json)
+        len(workload), label or backend.name, enabled=not (args.no_progress or args.json)
     )
 
     def on_step(s: Simulator) -> None:
@@ -499,8 +643,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except (TraceError, ConfigError, ValueError) as exc:
         return fail(str(exc))
 
-    header = _header(args, model, workload)
-    names = [args.backend] + ([args.compare] if args.compare is not None else [])
+    retention = _retention(args)
+    header = _header(args, model, workload, retention)
+    names = [args.backend]
+    if args.compare is not None:
+        names.append("kvcore" if args.compare == "lru" else args.compare)
     backends = []
     for flag, name in zip(("--backend", "--compare"), names, strict=False):
         try:
@@ -513,8 +660,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     runs: list[tuple[Simulator, bool]] = []
     with _sigint(interrupts):
         try:
-            for backend in backends:
-                runs.append(_run_one(backend, args, model, settings, sched, workload, interrupts))
+            for k, backend in enumerate(backends):
+                lru = k > 0 and args.compare == "lru"
+                runs.append(
+                    _run_one(
+                        backend,
+                        args,
+                        model,
+                        settings,
+                        sched,
+                        workload,
+                        interrupts,
+                        retention=_lru_retention(retention) if lru else retention,
+                        label="lru" if lru else None,
+                    )
+                )
                 if runs[-1][1]:
                     break
         except SimulationStalled as exc:
@@ -532,7 +692,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        return _report(args, prog, header, model, runs, interrupted)
+        return _report(args, prog, header, model, runs, interrupted, retention)
 
 
 def _report(
@@ -542,10 +702,15 @@ def _report(
     model: ModelPreset,
     runs: list[tuple[Simulator, bool]],
     interrupted: bool,
+    retention: RetentionSettings | None = None,
 ) -> int:
     """Prints the summary (and writes the plot); returns the exit status."""
     summaries = [summarize(sim, interrupted=intr) for sim, intr in runs]
-    summary = combine(summaries[0], summaries[1] if len(summaries) > 1 else None)
+    second = summaries[1] if len(summaries) > 1 else None
+    if args.compare == "lru":
+        summary = combine_lru(summaries[0], second)
+    else:
+        summary = combine(summaries[0], second)
     summary["config"] = {
         "model": model.name,
         "num_blocks": args.num_blocks,
@@ -561,6 +726,21 @@ def _report(
         "admission_gate": args.admission_gate,
         "workload": args.trace if args.trace is not None else "synthetic-chat",
     }
+    for key, value in (
+        ("system_prompts", args.system_prompts),
+        ("system_prompt_skew", args.system_prompt_skew),
+    ):
+        if value is not None:  # absent unless given: the output of earlier runs stays as it was
+            summary["config"][key] = value
+    if retention is not None or args.compare == "lru":
+        summary["config"]["compare"] = args.compare
+    if retention is not None:
+        summary["config"]["retention"] = {
+            "pin_system_prompts": retention.pin_system_prompts,
+            "pin_ttl_s": retention.pin_ttl_s,
+            "priority_mix": describe_mix(retention.priority_mix) or None,
+            "step_seconds": STEP_SECONDS,
+        }
     if args.json:
         print(json.dumps(summary, indent=2), flush=True)
     else:
@@ -569,8 +749,12 @@ def _report(
     if args.plot is not None:
         from kvcore.simulate.plot import plot
 
+        lru = runs[1][0] if args.compare == "lru" and len(runs) > 1 else None
+        title = header.replace("kvcore simulate: ", "")
+        if retention is not None:  # the cache control on a line of its own
+            title = title.replace(f"; {retention.describe()}", f"\n{retention.describe()}")
         try:
-            plot(runs[0][0], args.plot, title=header.replace("kvcore simulate: ", ""))
+            plot(runs[0][0], args.plot, title=title, lru=lru)
         except (OSError, ValueError, RuntimeError) as exc:
             print(f"{prog}: error: --plot: cannot write {args.plot!r}: {exc}", file=sys.stderr)
             status = EXIT_FAILED

@@ -165,20 +165,38 @@ class Backend(ABC):
             request.append_output_token_ids(token)
 
     @abstractmethod
-    def build_manager(self, model: ModelPreset, settings: ManagerSettings) -> Any:
+    def build_manager(
+        self,
+        model: ModelPreset,
+        settings: ManagerSettings,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> Any:
         """Initialises hashing and returns a fresh ``KVCacheManager``.
 
         Args:
             model: The KV-cache groups.
             settings: Pool size, limits and hashing.
+            clock: kvcore only: the manager's clock (seconds) for pin and request TTLs; with
+                it the manager is also given the requests' block-hash function, which
+                ``pin_prefix`` needs. None: built as the reference builds it.
 
         Returns:
             The manager.
+
+        Raises:
+            ValueError: If the backend has no retention extensions and ``clock`` is given.
         """
 
     @abstractmethod
     def request_factory(
-        self, request_id: str, prompt: list[int], max_tokens: int
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        *,
+        retention_priority: int | None = None,
+        retention_ttl_s: float | None = None,
     ) -> Callable[[], Any]:
         """Prepares a request so that building it costs only the manager-side work.
 
@@ -188,9 +206,16 @@ class Backend(ABC):
             request_id: The id.
             prompt: Prompt token ids (the request may keep this list).
             max_tokens: Output length.
+            retention_priority: kvcore only: the request's retention priority (None: the
+                default).
+            retention_ttl_s: kvcore only: its retention TTL in seconds (None: none).
 
         Returns:
             A callable that builds the request (and hashes its full blocks).
+
+        Raises:
+            ValueError: If the backend has no retention extensions and a retention value is
+                given.
         """
 
 
@@ -217,7 +242,13 @@ class KvcoreBackend(Backend):
         """One native call for the whole step (``append_output_token_ids_batch``)."""
         self._request.append_output_token_ids_batch(requests, token_ids)
 
-    def build_manager(self, model: ModelPreset, settings: ManagerSettings) -> Any:
+    def build_manager(
+        self,
+        model: ModelPreset,
+        settings: ManagerSettings,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> Any:
         from kvcore import config, manager, specs
 
         hash_fn = self._hashing.get_hash_fn_by_name(settings.hash_name)
@@ -249,6 +280,9 @@ class KvcoreBackend(Backend):
                 )
             groups.append(config.KVCacheGroupSpec([f"layer{i}"], spec))
         cfg = config.KVCacheConfig(settings.num_blocks, [], groups)
+        extensions: dict[str, Any] = {}
+        if clock is not None:
+            extensions = {"hash_fn": hash_fn, "clock": clock}
         return manager.KVCacheManager(
             cfg,
             max_model_len=settings.max_model_len,
@@ -258,18 +292,38 @@ class KvcoreBackend(Backend):
             enable_caching=settings.enable_caching,
             enable_kv_cache_events=settings.enable_events,
             watermark=settings.watermark,
+            **extensions,
         )
 
     def request_factory(
-        self, request_id: str, prompt: list[int], max_tokens: int
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        *,
+        retention_priority: int | None = None,
+        retention_ttl_s: float | None = None,
     ) -> Callable[[], Any]:
         cls = self._request.Request
         hasher = self._hasher
+        if retention_priority is None and retention_ttl_s is None:
 
-        def build() -> Any:
-            return cls(request_id, prompt, max_tokens=max_tokens, block_hasher=hasher)
+            def build() -> Any:
+                return cls(request_id, prompt, max_tokens=max_tokens, block_hasher=hasher)
 
-        return build
+            return build
+
+        def build_retained() -> Any:
+            return cls(
+                request_id,
+                prompt,
+                max_tokens=max_tokens,
+                block_hasher=hasher,
+                retention_priority=retention_priority,
+                retention_ttl_s=retention_ttl_s,
+            )
+
+        return build_retained
 
 
 class ReferenceBackend(Backend):
@@ -313,7 +367,15 @@ class ReferenceBackend(Backend):
         self.PREEMPTED = status.PREEMPTED
         self.FINISHED = status.FINISHED_LENGTH_CAPPED
 
-    def build_manager(self, model: ModelPreset, settings: ManagerSettings) -> Any:
+    def build_manager(
+        self,
+        model: ModelPreset,
+        settings: ManagerSettings,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> Any:
+        if clock is not None:
+            raise ValueError("the reference has no pins or retention priorities (kvcore only)")
         hash_fn = self._hashing.get_hash_fn_by_name(settings.hash_name)
         with _pythonhashseed(settings.hash_seed):
             self._utils.init_none_hash(hash_fn)
@@ -359,8 +421,16 @@ class ReferenceBackend(Backend):
         )
 
     def request_factory(
-        self, request_id: str, prompt: list[int], max_tokens: int
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        *,
+        retention_priority: int | None = None,
+        retention_ttl_s: float | None = None,
     ) -> Callable[[], Any]:
+        if retention_priority is not None or retention_ttl_s is not None:
+            raise ValueError("the reference has no retention priorities (kvcore only)")
         cls = self._request.Request
         params = self._sampling.SamplingParams(max_tokens=max_tokens)
         hasher = self._hasher

@@ -44,6 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.simulate.backends import Backend, ManagerSettings, ModelPreset
+from kvcore.simulate.retention import (
+    STEP_SECONDS,
+    PriorityTiers,
+    RetentionSettings,
+    SystemPromptPins,
+)
 from kvcore.simulate.workload import HitBound, RequestSpec, Workload, as_workload
 
 # Tags of the decision stream (negative, so they never collide with ids or counts).
@@ -55,6 +61,7 @@ _T_PREEMPT = -5
 _T_FINISH = -6
 _T_TABLE = -7
 _T_GROUP = -8
+_T_PIN = -9
 
 
 class ConfigError(ValueError):
@@ -88,6 +95,8 @@ class _Live:
     idx: int
     spec: RequestSpec
     req: Any = None
+    tier: int = -1
+    """Its tier of the priority mix (an index), once built; -1 without a mix."""
 
 
 @dataclass(slots=True)
@@ -109,6 +118,8 @@ class SimStats:
         sample_running: Running requests after each step.
         sample_waiting: Waiting requests after each step.
         sample_hit_rate: Cumulative prefix hit rate after each step.
+        sample_preemptions: Cumulative preemptions after each step.
+        sample_pinned: Pinned blocks after each step (only with pinned system prompts).
         wall_s: Wall-clock seconds of the run (generating or reading the workload, which is
             pulled as the run goes, included).
     """
@@ -126,6 +137,8 @@ class SimStats:
     sample_running: array[int] = field(default_factory=lambda: array("q"))
     sample_waiting: array[int] = field(default_factory=lambda: array("q"))
     sample_hit_rate: array[float] = field(default_factory=lambda: array("d"))
+    sample_preemptions: array[int] = field(default_factory=lambda: array("q"))
+    sample_pinned: array[int] = field(default_factory=lambda: array("q"))
     wall_s: float = 0.0
 
     @property
@@ -240,6 +253,11 @@ class Simulator:
         settings: Manager settings.
         sched: Scheduler limits.
         workload: The requests.
+        retention: kvcore's cache control (pinned system prompts, a priority mix); None
+            drives the manager as the reference is driven (plain LRU). With it, the manager's
+            clock is simulated (:meth:`seconds`). With ``retention.enforce`` False the
+            manager is driven as without it, and only the tiers are drawn, to count hit rates
+            per tier.
 
     Raises:
         ConfigError: If the configuration cannot serve the workload.
@@ -252,6 +270,7 @@ class Simulator:
         settings: ManagerSettings,
         sched: SchedulerSettings,
         workload: Workload | Iterable[RequestSpec],
+        retention: RetentionSettings | None = None,
     ) -> None:
         self.workload = as_workload(workload)
         check_config(model, settings, sched, self.workload)
@@ -259,11 +278,24 @@ class Simulator:
         self.model = model
         self.settings = settings
         self.sched = sched
-        self.manager: Any = backend.build_manager(model, settings)
+        self.retention = retention
+        self.clock = 0
+        """The current step (idle stretches skipped over count)."""
+        self.pins: SystemPromptPins | None = None
+        self.tiers: PriorityTiers | None = None
+        self._enforce = retention is not None and retention.enforce
+        if not self._enforce:
+            self.manager: Any = backend.build_manager(model, settings)
+        else:
+            self.manager = backend.build_manager(model, settings, clock=self.seconds)
+        if retention is not None:
+            if retention.pin_system_prompts and retention.enforce:
+                self.pins = SystemPromptPins(retention.pin_ttl_s, model.block_size)
+            if retention.priority_mix:
+                self.tiers = PriorityTiers(retention.priority_mix, retention.seed)
         self.stats = SimStats(requests_total=len(self.workload))
         if settings.enable_events:
             self.stats.blocks_evicted = 0
-        self.clock = 0
         self._checksum = hashlib.blake2b(digest_size=16)
         self._waiting: deque[_Live] = deque()
         self._running: list[_Live] = []
@@ -288,6 +320,10 @@ class Simulator:
     def decisions_checksum(self) -> str:
         """Hex digest over every decision so far (hits, block ids, preemptions, finishes)."""
         return self._checksum.hexdigest()
+
+    def seconds(self) -> float:
+        """The manager's clock: simulated seconds, :data:`STEP_SECONDS` per step."""
+        return self.clock * STEP_SECONDS
 
     def hit_rate_bound(self) -> float:
         """The unlimited-cache prefix hit rate of the requests pulled so far, in workload
@@ -316,6 +352,8 @@ class Simulator:
                 self._dependents.setdefault(spec.after, []).append(i)
             self._held[i] = spec
             self._bound.add(i, spec)
+            if self.tiers is not None:
+                self.tiers.pulled(spec.request_id, spec.after)
             self.released += 1
             self._pull_next()
 
@@ -432,6 +470,7 @@ class Simulator:
                 raise SimulationStalled(
                     f"{live.spec.describe()} cannot grow to {live.req.num_tokens} tokens even "
                     "when it is the only running request; use a larger --num-blocks"
+                    + self._pinned_note()
                 )
             ns += self._preempt(victim, log)
             preempted = True
@@ -440,6 +479,7 @@ class Simulator:
                 break
 
         # 2. Waiting requests (only when nothing was preempted).
+        num_continued = len(scheduled)
         if not preempted:
             gate = self.sched.admission_gate
             while waiting and budget > 0 and len(running) < self.sched.max_num_seqs:
@@ -447,7 +487,22 @@ class Simulator:
                 req = live.req
                 if req is None:
                     spec = live.spec
-                    build = be.request_factory(spec.request_id, list(spec.prompt), len(spec.output))
+                    if self.tiers is not None:
+                        live.tier = self.tiers.take(spec.request_id)
+                    if live.tier < 0 or not self._enforce:
+                        build = be.request_factory(
+                            spec.request_id, list(spec.prompt), len(spec.output)
+                        )
+                    else:
+                        assert self.tiers is not None
+                        tier = self.tiers.mix[live.tier]
+                        build = be.request_factory(
+                            spec.request_id,
+                            list(spec.prompt),
+                            len(spec.output),
+                            retention_priority=tier.priority,
+                            retention_ttl_s=tier.ttl_s,
+                        )
                     t0 = perf()
                     req = live.req = build()
                     ns += perf() - t0
@@ -489,6 +544,8 @@ class Simulator:
                 if req.num_preemptions == 0:
                     stats.hit_tokens += hit
                     stats.query_tokens += req.num_tokens
+                    if self.tiers is not None:
+                        self.tiers.admitted(live.tier, hit, req.num_tokens)
                 req.status = be.RUNNING
                 req.num_computed_tokens = hit
                 scheduled.append((live, n))
@@ -504,6 +561,8 @@ class Simulator:
         # 4. Advance, sample, finish.
         for live, n in scheduled:
             live.req.num_computed_tokens += n
+        if self.pins is not None:
+            ns += self._pin_system_prompts(scheduled, num_continued, log)
         sampled: list[Any] = []
         tokens: list[int] = []
         for live, _ in scheduled:
@@ -527,6 +586,8 @@ class Simulator:
             ns += perf() - t0
             log += (_T_FINISH, live.idx)
             stats.finished += 1
+            if self.tiers is not None:
+                self.tiers.finished(live.spec.request_id)
             for j in self._dependents.pop(live.spec.request_id, ()):
                 heapq.heappush(pending, (self.clock + 1 + held[j].arrival, j))
 
@@ -543,12 +604,13 @@ class Simulator:
             stats.blocks_evicted += removed
         t0 = perf()
         usage = mgr.usage
+        pinned = mgr.num_pinned_blocks if self.pins is not None else 0
         ns += perf() - t0
 
         if not scheduled and not preempted and not running:
             raise SimulationStalled(
                 f"{waiting[0].spec.describe()} cannot be admitted even into an empty cache; "
-                "use a larger --num-blocks"
+                "use a larger --num-blocks" + self._pinned_note()
             )
         self._checksum.update(array("q", log).tobytes())
         stats.kv_ns.append(ns)
@@ -558,7 +620,62 @@ class Simulator:
         stats.sample_running.append(len(running))
         stats.sample_waiting.append(len(waiting))
         stats.sample_hit_rate.append(stats.hit_rate)
+        stats.sample_preemptions.append(stats.preemptions)
+        if self.pins is not None:
+            stats.sample_pinned.append(pinned)
+            self.pins.peak = max(self.pins.peak, pinned)
         self.clock += 1
+
+    def _pinned_note(self) -> str:
+        """For a stall message: the pinned blocks, when there are any."""
+        if self.pins is None:
+            return ""
+        pinned = int(self.manager.num_pinned_blocks)
+        if pinned == 0:
+            return ""
+        return (
+            f" (or a --pin-system-prompts TTL: {pinned} of {self.settings.num_blocks} blocks "
+            "are pinned)"
+        )
+
+    def _pin_system_prompts(
+        self, scheduled: list[tuple[_Live, int]], num_continued: int, log: list[int]
+    ) -> int:
+        """Pins the system prompts of requests whose prompt blocks were just cached.
+
+        A request counts when this step's tokens took it past its system prompt, or when it
+        was admitted this step with the system prompt already computed (a prefix hit): its
+        system prompt's blocks are then cached (allocation caches every full block of the
+        computed tokens), and ``pin_prefix`` pins them.
+
+        Args:
+            scheduled: This step's requests and token counts (advanced already).
+            num_continued: How many of them were running before the step (the rest were
+                admitted in it).
+            log: The decision stream.
+
+        Returns:
+            Nanoseconds spent in the manager.
+        """
+        pins = self.pins
+        assert pins is not None
+        perf = time.perf_counter_ns
+        mgr = self.manager
+        ns = 0
+        for k, (live, n) in enumerate(scheduled):
+            spec = live.spec
+            length = spec.system_prompt_len
+            if spec.system_prompt is None or length < self.model.block_size:
+                continue
+            done = live.req.num_computed_tokens
+            if done < length or (done - n >= length and k < num_continued):
+                continue
+            t0 = perf()
+            got = pins.pin(mgr, spec.system_prompt, spec.prompt, length)
+            ns += perf() - t0
+            if got is not None:
+                log += (_T_PIN, live.idx, got)
+        return ns
 
     def _preempt(self, live: _Live, log: list[int]) -> int:
         """Preempts a running request (already removed from the running list).

@@ -15,6 +15,7 @@ turns of a conversation share the tokens they have in common (:class:`Tokens`).
 
 from __future__ import annotations
 
+import bisect
 import random
 from abc import ABC, abstractmethod
 from array import array
@@ -35,6 +36,9 @@ MAX_ARRIVAL_RATE = 64.0
 MIN_SYNTHETIC_MODEL_LEN = 64
 """Smallest ``max_model_len`` the synthetic workload accepts."""
 
+MAX_SYSTEM_PROMPT_SKEW = 10.0
+"""Largest ``system_prompt_skew`` of the synthetic workload."""
+
 
 @dataclass(slots=True, frozen=True)
 class RequestSpec:
@@ -50,6 +54,10 @@ class RequestSpec:
             model length.
         after: Id of an earlier request this one waits for (a later conversation turn).
         line: The trace line the request came from, for error messages; None when generated.
+        system_prompt: The name of the system prompt the prompt starts with, shared with
+            other requests (the synthetic workload's conversations); None when there is none.
+        system_prompt_len: Its length in tokens (the first ``system_prompt_len`` prompt
+            tokens); 0 when there is none.
     """
 
     request_id: str
@@ -58,6 +66,8 @@ class RequestSpec:
     output: Sequence[int]
     after: str | None = None
     line: int | None = None
+    system_prompt: str | None = None
+    system_prompt_len: int = 0
 
     def describe(self) -> str:
         """Returns a short name for messages: the id and, when known, the trace line."""
@@ -235,6 +245,9 @@ class ChatWorkloadParams:
         seed: Seed of every random choice.
         arrival_rate: Mean number of new conversations (or single prompts) arriving per step.
         num_system_prompts: How many long system prompts the conversations share.
+        system_prompt_skew: Popularity of the system prompts: a conversation picks prompt
+            ``k`` (from 0) with weight ``1 / (k + 1) ** system_prompt_skew`` (Zipf); 0 picks
+            them uniformly.
         system_prompt_len: Inclusive range of system prompt lengths, in tokens.
         shared_fraction: Fraction of arrivals that are conversations under a system prompt;
             the rest are single requests with a unique prompt.
@@ -250,6 +263,7 @@ class ChatWorkloadParams:
     seed: int = 0
     arrival_rate: float = 0.5
     num_system_prompts: int = 4
+    system_prompt_skew: float = 0.0
     system_prompt_len: tuple[int, int] = (600, 1600)
     shared_fraction: float = 0.75
     max_turns: int = 4
@@ -357,11 +371,25 @@ class SyntheticChat(Workload):
             raise ValueError(
                 f"max_model_len must be >= {MIN_SYNTHETIC_MODEL_LEN} for the synthetic workload"
             )
+        if params.num_system_prompts < 0:
+            raise ValueError("num_system_prompts must be >= 0")
+        if not 0.0 <= params.system_prompt_skew <= MAX_SYSTEM_PROMPT_SKEW:
+            raise ValueError(f"system_prompt_skew must be in [0, {MAX_SYSTEM_PROMPT_SKEW:g}]")
         self.params = params
 
     @property
     def source(self) -> str:
-        return f"synthetic chat, seed {self.params.seed}"
+        p = self.params
+        defaults = ChatWorkloadParams()
+        text = f"synthetic chat, seed {p.seed}"
+        if (p.num_system_prompts, p.system_prompt_skew) != (
+            defaults.num_system_prompts,
+            defaults.system_prompt_skew,
+        ):
+            text += f", {p.num_system_prompts} system prompts"
+            if p.system_prompt_skew:
+                text += f", Zipf {p.system_prompt_skew:g}"
+        return text
 
     def __len__(self) -> int:
         return self.params.num_requests
@@ -403,6 +431,11 @@ class SyntheticChat(Workload):
             _tokens(rng, pick(params.system_prompt_len, budget // 2))
             for _ in range(params.num_system_prompts)
         ]
+        skew = params.system_prompt_skew
+        # Zipf popularity: cumulative weights, one uniform draw per pick (uniform: randrange).
+        cumulative: list[float] = []
+        for k in range(len(systems) if skew > 0 else 0):
+            cumulative.append((cumulative[-1] if cumulative else 0.0) + (k + 1) ** -skew)
         made = 0
         total = params.num_requests
         step = 0
@@ -419,7 +452,13 @@ class SyntheticChat(Workload):
                 conv += 1
                 if systems and rng.random() < params.shared_fraction:
                     # Turns share their tokens: a prompt is the segments before it plus one.
-                    history = Tokens((systems[rng.randrange(len(systems))],))
+                    if cumulative:
+                        k = bisect.bisect_right(cumulative, rng.random() * cumulative[-1])
+                        k = min(k, len(systems) - 1)
+                    else:
+                        k = rng.randrange(len(systems))
+                    history = Tokens((systems[k],))
+                    system = (f"system-{k}", len(systems[k]))
                     turns = rng.randint(1, max(1, params.max_turns))
                     prev: str | None = None
                     for turn in range(turns):
@@ -434,7 +473,15 @@ class SyntheticChat(Workload):
                         rid = f"c{conv}t{turn}"
                         arrival = step if prev is None else rng.randint(*params.think_steps)
                         made += 1
-                        yield RequestSpec(rid, arrival, history, output, after=prev)
+                        yield RequestSpec(
+                            rid,
+                            arrival,
+                            history,
+                            output,
+                            after=prev,
+                            system_prompt=system[0],
+                            system_prompt_len=system[1],
+                        )
                         history = history + output
                         prev = rid
                 else:
@@ -630,6 +677,7 @@ def unlimited_cache_hit_bound(
 
 __all__ = [
     "MAX_ARRIVAL_RATE",
+    "MAX_SYSTEM_PROMPT_SKEW",
     "MIN_SYNTHETIC_MODEL_LEN",
     "VOCAB_SIZE",
     "ChatWorkloadParams",
