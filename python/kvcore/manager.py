@@ -19,11 +19,13 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast, overload
 
 from kvcore._native import BlockPool, NoFreeBlocksError, Retention
 from kvcore.blocks import KVCacheBlocks
@@ -139,6 +141,23 @@ class PrefixCacheStats:
             self.hits += num_hits
 
 
+_T = TypeVar("_T")
+
+
+def _serialized(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Runs the method under the manager's lock, so that calls from many threads on the
+    Python path (the coordinators check capacity, then allocate, in separate pool calls) are
+    serialised. The lock is re-entrant: a request property that calls the manager from inside
+    a call is served. The native path serialises its own calls (``kvcore._native``)."""
+
+    @functools.wraps(method)
+    def call(self: KVCacheManager, *args: Any, **kwargs: Any) -> _T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class KVCacheManager:
     """Allocates and frees KV cache blocks for requests (SPEC §8).
 
@@ -221,6 +240,7 @@ class KVCacheManager:
             )
         if not callable(clock):
             raise InvalidConfigError(f"clock must be callable, not {clock!r}")
+        self._lock = threading.RLock()
         self.max_model_len = max_model_len
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max_model_len
@@ -361,6 +381,7 @@ class KVCacheManager:
         """The pool usage in [0, 1] (MGR-4, POOL-3)."""
         return self.block_pool.get_usage()
 
+    @_serialized
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Hands back the current stats and starts fresh ones (MGR-30).
 
@@ -373,6 +394,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         return stats
 
+    @_serialized
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Finds the request's longest cached prefix (MGR-6, MGR-7).
 
@@ -404,6 +426,7 @@ class KVCacheManager:
             self.prefix_cache_stats.record(num_tokens, num_hit, request.num_preemptions > 0)
         return self.create_kv_cache_blocks(blocks), num_hit
 
+    @_serialized
     def allocate_slots(
         self,
         request: Request,
@@ -719,6 +742,7 @@ class KVCacheManager:
         allow_none: bool = False,
     ) -> list[tuple[list[int], ...] | None]: ...
 
+    @_serialized
     def allocate_slots_batch(
         self,
         requests: Sequence[Request],
@@ -786,6 +810,7 @@ class KVCacheManager:
                 f"request {request_id!r} is running and cannot take new prefix hits"
             )
 
+    @_serialized
     def free(self, request: Request) -> None:
         """Frees the request's blocks, group by group, tail first (MGR-20).
 
@@ -806,6 +831,7 @@ class KVCacheManager:
         else:
             self.coordinator.free(request.request_id, Retention(priority, ttl_s))
 
+    @_serialized
     def remove_skipped_blocks(
         self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
@@ -825,6 +851,7 @@ class KVCacheManager:
             raise ArgumentTypeError("token counts must be ints")
         self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
 
+    @_serialized
     def pop_blocks_for_free(self, request: Request) -> list[int]:
         """Forgets the request without freeing; returns its blocks (MGR-21).
 
@@ -838,6 +865,7 @@ class KVCacheManager:
         """
         return self.coordinator.pop_blocks_for_free(request.request_id)
 
+    @_serialized
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drops the given blocks' prefix-cache keys (MGR-27, POOL-20).
 
@@ -846,6 +874,7 @@ class KVCacheManager:
         """
         self.block_pool.evict_blocks(block_ids)
 
+    @_serialized
     def reset_prefix_cache(self) -> bool:
         """Clears the prefix cache if no block is in use (MGR-27, POOL-21).
 
@@ -860,6 +889,7 @@ class KVCacheManager:
             self.prefix_cache_stats.reset = True
         return True
 
+    @_serialized
     def invalidate_prefix_cache(self) -> None:
         """Stops every block cached so far from hitting, while requests run (CC-7).
 
@@ -905,6 +935,7 @@ class KVCacheManager:
         unit = min(groups[i].kv_cache_spec.block_size for i in chosen)
         return min(per_group[i] * groups[i].kv_cache_spec.block_size // unit for i in chosen)
 
+    @_serialized
     def pin_prefix(
         self,
         token_ids: Sequence[int],
@@ -940,6 +971,7 @@ class KVCacheManager:
         counts = self._pool.pin_prefix(groups, ttl_s, max_pinned)
         return self._prefix_count(counts)
 
+    @_serialized
     def unpin_prefix(
         self,
         token_ids: Sequence[int],
@@ -969,6 +1001,7 @@ class KVCacheManager:
         self._pool.expire()
         return self._pool.num_pinned_blocks
 
+    @_serialized
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, the leading blocks every tracked request shares (MGR-22, FA-2).
 
@@ -980,6 +1013,7 @@ class KVCacheManager:
         """
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)
 
+    @_serialized
     def take_events(self) -> list[KVCacheEvent]:
         """Takes the pool's events, annotating ``BlockStored`` with the group kind (MGR-24).
 
@@ -998,6 +1032,7 @@ class KVCacheManager:
             event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = meta[gid]
         return events
 
+    @_serialized
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks per group (MGR-25); callers must not mutate the lists.
 
@@ -1009,10 +1044,12 @@ class KVCacheManager:
         """
         return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
 
+    @_serialized
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids per group, as new lists (MGR-25)."""
         return self.get_blocks(request_id).get_block_ids()
 
+    @_serialized
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
@@ -1041,6 +1078,7 @@ class KVCacheManager:
             out.append(ids if bs is None else ids[: -(-num_computed_tokens // bs)])
         return tuple(out)
 
+    @_serialized
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches the request's full blocks when caching is on (MGR-27).
 
@@ -1071,6 +1109,7 @@ class KVCacheManager:
         """
         return KVCacheBlocks(blocks, self.block_pool) if any(blocks) else self.empty_kv_cache_blocks
 
+    @_serialized
     def take_new_block_ids(self) -> list[int]:
         """Drains the ids allocated since the last call, group by group (MGR-29)."""
         ids: list[int] = []
@@ -1078,6 +1117,7 @@ class KVCacheManager:
             ids.extend(m.take_new_block_ids())
         return ids
 
+    @_serialized
     def new_step_starts(self) -> None:
         """Signals a new scheduler step (MGR-30)."""
         self.coordinator.new_step_starts()

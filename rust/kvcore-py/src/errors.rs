@@ -221,6 +221,8 @@ pub enum Kind {
     ArgumentType,
     /// `ArgumentOverflowError` (OverflowError, ValueError).
     ArgumentOverflow,
+    /// `InvariantViolationError` (AssertionError).
+    InvariantViolation,
 }
 
 /// An exception of class `kind` with a message.
@@ -236,6 +238,7 @@ pub fn error(kind: Kind, msg: impl Into<String>) -> PyErr {
             Kind::InvalidArgument => &c.invalid_argument,
             Kind::ArgumentType => &c.argument_type,
             Kind::ArgumentOverflow => &c.argument_overflow,
+            Kind::InvariantViolation => &c.invariant_violation,
         };
         PyErr::from_type(ty.bind(py).clone(), msg)
     })

@@ -32,6 +32,7 @@ mod manager;
 mod msgpack;
 mod pool;
 mod request;
+mod sync;
 
 /// The extension module.
 #[pymodule]

@@ -18,6 +18,7 @@ use crate::pool::{
     cached_prefix, extract_ids, request_retention, stored_meta, to_hash, PyBlockPool, PyRetention,
 };
 use crate::request::{prefetch_ahead, CoreCast};
+use crate::sync::{lock, lock_mut};
 
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
 const WAITING: i64 = 1;
@@ -122,6 +123,18 @@ impl PyUnitaryFullAttention {
         Ok(())
     }
 
+    /// The manager's pool, read under a borrow that ends at once.
+    fn pool_of(slf: &Bound<'_, Self>) -> PyResult<Py<PyBlockPool>> {
+        Ok(lock(slf, "manager")?.pool.clone_ref(slf.py()))
+    }
+
+    /// Applies the retention and pin deadlines due now (kvcore extension: they change what is
+    /// free), before the manager is held: the clock is Python code. One comparison when no
+    /// deadline exists.
+    fn expire_due(slf: &Bound<'_, Self>) -> PyResult<()> {
+        PyBlockPool::expire_due(Self::pool_of(slf)?.bind(slf.py()))
+    }
+
     fn make_blocks(&self, py: Python<'_>, ids: &[BlockId]) -> PyResult<PyObject> {
         if ids.is_empty() {
             return Ok(self.empty.clone_ref(py));
@@ -139,9 +152,6 @@ impl PyUnitaryFullAttention {
         request: &Bound<'py, PyAny>,
         args: AllocateArgs<'_>,
     ) -> PyResult<Option<Vec<BlockId>>> {
-        // Retention and pin deadlines due now change what is free (kvcore extension; one
-        // comparison when none exists).
-        PyBlockPool::expire_due(self.pool.bind(py))?;
         // A kvcore Request keeps these four fields in its native base: read them directly.
         let core = self.cast.borrow(request)?;
         let id_obj;
@@ -234,7 +244,7 @@ impl PyUnitaryFullAttention {
                 }
             }
         }
-        let mut pool = self.pool.try_borrow_mut(py)?;
+        let mut pool = lock_mut(self.pool.bind(py), "pool")?;
         self.check_external_fits(pool.core(), &view, &args)?;
         let res = self.core.allocate_slots::<Error>(
             pool.core_mut(),
@@ -313,20 +323,22 @@ impl PyUnitaryFullAttention {
 
     /// SPEC MGR-6/7 without stats: `(hit blocks, hit tokens)`.
     fn get_computed_blocks(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
     ) -> PyResult<(PyObject, usize)> {
-        let pool = self.pool.try_borrow(py)?;
+        let guard = lock(slf, "manager")?;
+        let me = &*guard;
+        let pool = lock(me.pool.bind(py), "pool")?;
         if !pool.core().enable_caching()
             || request
                 .getattr(intern!(py, "skip_reading_prefix_cache"))?
                 .is_truthy()?
         {
-            return Ok((self.empty.clone_ref(py), 0));
+            return Ok((me.empty.clone_ref(py), 0));
         }
-        let bs = self.core.tables.block_size();
-        let core = self.cast.borrow(request)?;
+        let bs = me.core.tables.block_size();
+        let core = me.cast.borrow(request)?;
         let num_tokens = match &core {
             Some(c) => count(c.num_tokens, "num_tokens")?,
             None => count_of(&request.getattr(intern!(py, "num_tokens"))?, "num_tokens")?,
@@ -353,11 +365,11 @@ impl PyUnitaryFullAttention {
                     .unwrap_or_default()
             }
         };
-        if self.core.use_eagle() && !hit.is_empty() {
+        if me.core.use_eagle() && !hit.is_empty() {
             hit.pop();
         }
-        let tokens = hit.len() * self.core.tables.block_size();
-        Ok((self.make_blocks(py, &hit)?, tokens))
+        let tokens = hit.len() * me.core.tables.block_size();
+        Ok((me.make_blocks(py, &hit)?, tokens))
     }
 
     /// SPEC ALLOC-1..12 in one call; see `KVCacheManager.allocate_slots`.
@@ -367,7 +379,7 @@ impl PyUnitaryFullAttention {
     )]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
-        &mut self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         num_new_tokens: Count,
@@ -381,6 +393,9 @@ impl PyUnitaryFullAttention {
         reserved_blocks: Count,
         has_scheduled_reqs: Flag,
     ) -> PyResult<Option<PyObject>> {
+        Self::expire_due(slf)?;
+        let mut guard = lock_mut(slf, "manager")?;
+        let me = &mut *guard;
         // Counts of any size (saturated far above any pool or sequence, see `COUNT_CAP`), flags
         // by their truth value, as the reference reads them.
         let _ = num_encoder_tokens;
@@ -399,14 +414,14 @@ impl PyUnitaryFullAttention {
         let mut hits_given = false;
         if let Some(ncb) = new_computed_blocks.filter(|o| !o.is_none()) {
             let groups = ncb.getattr(intern!(py, "blocks"))?;
-            if !groups.is(&self.empty_blocks) {
+            if !groups.is(&me.empty_blocks) {
                 hits_given = true;
                 if groups.len()? != 1 {
                     return Err(invalid(
                         "new_computed_blocks must hold exactly one group for this manager",
                     ));
                 }
-                let pool = self.pool.try_borrow(py)?;
+                let pool = lock(me.pool.bind(py), "pool")?;
                 hit_ids = extract_ids(pool.core().num_blocks(), &groups.get_item(0)?)?;
             }
         }
@@ -421,9 +436,9 @@ impl PyUnitaryFullAttention {
             reserved_blocks,
             has_scheduled_reqs,
         };
-        match self.allocate_inner(py, request, args)? {
+        match me.allocate_inner(py, request, args)? {
             None => Ok(None),
-            Some(ids) => Ok(Some(self.make_blocks(py, &ids)?)),
+            Some(ids) => Ok(Some(me.make_blocks(py, &ids)?)),
         }
     }
 
@@ -435,13 +450,16 @@ impl PyUnitaryFullAttention {
         text_signature = "($self, requests, num_new_tokens, num_lookahead_tokens=0, allow_none=False)"
     )]
     fn allocate_slots_batch<'py>(
-        &mut self,
+        slf: &Bound<'py, Self>,
         py: Python<'py>,
         requests: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
         num_lookahead_tokens: Count,
         allow_none: Flag,
     ) -> PyResult<Bound<'py, PyList>> {
+        Self::expire_due(slf)?;
+        let mut guard = lock_mut(slf, "manager")?;
+        let me = &mut *guard;
         let (Count(lookahead), Flag(allow_none)) = (num_lookahead_tokens, allow_none);
         let counts = num_new_tokens
             .try_iter()?
@@ -464,8 +482,8 @@ impl PyUnitaryFullAttention {
         let list = requests.downcast_exact::<PyList>().ok();
         for (i, (request, n)) in requests.try_iter()?.zip(counts).enumerate() {
             if let Some(list) = list {
-                let tables = &self.core.tables;
-                prefetch_ahead(list, i, &self.cast, |c| {
+                let tables = &me.core.tables;
+                prefetch_ahead(list, i, &me.cast, |c| {
                     tables.prefetch_slot(c.table_hint.get());
                 });
             }
@@ -480,7 +498,7 @@ impl PyUnitaryFullAttention {
                 reserved_blocks: 0,
                 has_scheduled_reqs: true,
             };
-            match self.allocate_inner(py, &request?, args)? {
+            match me.allocate_inner(py, &request?, args)? {
                 None => break,
                 Some(ids) if allow_none && ids.is_empty() => out.append(py.None())?,
                 Some(ids) => out.append(PyTuple::new(py, [PyList::new(py, ids)?])?)?,
@@ -494,23 +512,26 @@ impl PyUnitaryFullAttention {
     /// `retention` when given, place its cached blocks in the free queue.
     #[pyo3(signature = (request, retention = None))]
     fn free(
-        &mut self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         retention: Option<&Bound<'_, PyRetention>>,
     ) -> PyResult<()> {
+        // The request's fields and the clock are read before the manager is held.
         let id = Self::request_id(request)?;
         let retention = match retention {
             Some(r) => r.get().retention(),
             None => request_retention(request)?,
         };
         let now = if retention.ttl_s().is_some() {
-            PyBlockPool::now(self.pool.bind(py))?
+            PyBlockPool::now(Self::pool_of(slf)?.bind(py))?
         } else {
             0.0
         };
-        let mut pool = self.pool.try_borrow_mut(py)?;
-        Ok(self
+        let mut guard = lock_mut(slf, "manager")?;
+        let me = &mut *guard;
+        let mut pool = lock_mut(me.pool.bind(py), "pool")?;
+        Ok(me
             .core
             .tables
             .free_retained(pool.core_mut(), &id_key(&id)?, retention, now)
@@ -518,50 +539,67 @@ impl PyUnitaryFullAttention {
     }
 
     /// SPEC MGR-21: the request's blocks in allocation order, not freed.
-    fn pop_blocks_for_free(&mut self, request: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+    fn pop_blocks_for_free(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<BlockId>> {
+        let mut guard = lock_mut(slf, "manager")?;
+        let me = &mut *guard;
         let id = Self::request_id(request)?;
-        Ok(self.core.tables.pop(&id_key(&id)?))
+        Ok(me.core.tables.pop(&id_key(&id)?))
     }
 
     /// SPEC MGR-25.
-    fn get_blocks(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<PyObject> {
+    fn get_blocks(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+    ) -> PyResult<PyObject> {
+        let guard = lock(slf, "manager")?;
+        let me = &*guard;
         let id = id_key(request_id_of(request_id)?)?;
-        self.make_blocks(py, self.core.tables.blocks(&id))
+        me.make_blocks(py, me.core.tables.blocks(&id))
     }
 
     /// SPEC MGR-25: a fresh list per group.
     fn get_block_ids<'py>(
-        &self,
+        slf: &Bound<'py, Self>,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
+        let guard = lock(slf, "manager")?;
+        let me = &*guard;
         let id = id_key(request_id_of(request_id)?)?;
-        let list = PyList::new(py, self.core.tables.blocks(&id))?;
+        let list = PyList::new(py, me.core.tables.blocks(&id))?;
         PyTuple::new(py, [list])
     }
 
     /// SPEC MGR-26 for a single full-attention group.
     fn get_block_ids_for_computed_tokens<'py>(
-        &self,
+        slf: &Bound<'py, Self>,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
         num_computed_tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
+        let guard = lock(slf, "manager")?;
+        let me = &*guard;
         let id = id_key(request_id_of(request_id)?)?;
         let n = count_of(num_computed_tokens, "num_computed_tokens")?;
-        let blocks = self.core.block_ids_for_computed_tokens(&id, n);
+        let blocks = me.core.block_ids_for_computed_tokens(&id, n);
         PyTuple::new(py, [PyList::new(py, blocks)?])
     }
 
     /// SPEC FA-2 (one value: the only group).
     fn get_num_common_prefix_blocks(
-        &mut self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         request_id: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<usize>> {
+        let mut guard = lock_mut(slf, "manager")?;
+        let me = &mut *guard;
         let id = id_key(request_id_of(request_id)?)?;
-        let pool = self.pool.try_borrow(py)?;
-        Ok(vec![self
+        let pool = lock(me.pool.bind(py), "pool")?;
+        Ok(vec![me
             .core
             .tables
             .get_num_common_prefix_blocks(pool.core(), &id)])
@@ -569,18 +607,20 @@ impl PyUnitaryFullAttention {
 
     /// SPEC STM-6 through the manager (MGR-27); the caller checks that caching is on.
     fn cache_blocks(
-        &mut self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        let mut guard = lock_mut(slf, "manager")?;
+        let me = &mut *guard;
         let n = count_of(num_computed_tokens, "num_computed_tokens")?;
         let id_obj = Self::request_id(request)?;
         let id = id_key(&id_obj)?;
         // Refused before the core looks the request up (which creates its entry): a request
         // must hold the blocks it caches (the reference fails on the missing blocks with
         // IndexError when events are on, and caches nothing for them otherwise).
-        let tables = &self.core.tables;
+        let tables = &me.core.tables;
         let full = n / tables.block_size();
         let cached = tables.get(&id).and_then(|r| r.num_cached).unwrap_or(0);
         if cached < full && tables.blocks(&id).len() < full {
@@ -595,8 +635,8 @@ impl PyUnitaryFullAttention {
         let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
             Ok(stored_meta(py, request, req)?)
         };
-        let mut pool = self.pool.try_borrow_mut(py)?;
-        Ok(self.core.tables.cache_blocks::<Error>(
+        let mut pool = lock_mut(me.pool.bind(py), "pool")?;
+        Ok(me.core.tables.cache_blocks::<Error>(
             pool.core_mut(),
             &id,
             n,
@@ -609,24 +649,35 @@ impl PyUnitaryFullAttention {
     }
 
     /// SPEC MGR-29.
-    fn take_new_block_ids(&mut self) -> Vec<BlockId> {
-        self.core.tables.take_new_block_ids()
+    fn take_new_block_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<BlockId>> {
+        let mut guard = lock_mut(slf, "manager")?;
+        let me = &mut *guard;
+        Ok(me.core.tables.take_new_block_ids())
     }
 
     /// Number of requests with a block-table entry (`len(req_to_blocks)`).
-    fn num_requests(&self) -> usize {
-        self.core.tables.num_entries()
+    fn num_requests(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let guard = lock(slf, "manager")?;
+        let me = &*guard;
+        Ok(me.core.tables.num_entries())
     }
 
     /// Whether the request is running (has a cached-block count).
-    fn is_running(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn is_running(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let guard = lock(slf, "manager")?;
+        let me = &*guard;
         let id = id_key(request_id_of(request_id)?)?;
-        Ok(self.core.tables.is_running(&id))
+        Ok(me.core.tables.is_running(&id))
     }
 
     /// The request's cached-block count, or None when it is not running.
-    fn num_cached_blocks(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    fn num_cached_blocks(
+        slf: &Bound<'_, Self>,
+        request_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<usize>> {
+        let guard = lock(slf, "manager")?;
+        let me = &*guard;
         let id = id_key(request_id_of(request_id)?)?;
-        Ok(self.core.tables.get(&id).and_then(|r| r.num_cached))
+        Ok(me.core.tables.get(&id).and_then(|r| r.num_cached))
     }
 }

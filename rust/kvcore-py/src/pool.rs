@@ -17,6 +17,7 @@ use crate::args::{group_id_of, int_of, Flag, Int};
 use crate::errors::{error, invalid, to_pyerr, type_error, Error, Kind};
 use crate::events::{events_to_py, py_to_value, use_int_hashes};
 use crate::request::PyRequestCore;
+use crate::sync::{lock, lock_mut};
 
 /// One block id of a pool of `num_blocks` blocks: `BlockIdError` for an int that names no
 /// block (of any size: the reference has no such block), `ArgumentTypeError` for a non-int.
@@ -104,7 +105,7 @@ pub fn cached_prefix(
 
 /// The pool's size, read under a borrow that ends at once.
 fn num_blocks(slf: &Bound<'_, PyBlockPool>) -> PyResult<usize> {
-    Ok(slf.try_borrow()?.inner.num_blocks())
+    Ok(lock(slf, "pool")?.inner.num_blocks())
 }
 
 /// Converts a digest from Python bytes.
@@ -186,6 +187,40 @@ pub fn stored_meta(
         lora_name,
         extra_keys: (!extra.is_empty()).then_some(extra),
     })
+}
+
+/// The part of `full` (the metadata of `full_range`, with one extra-key entry per range of
+/// `full_blocks`) that `req` describes: its token window and the extra keys of its blocks.
+fn sub_meta(
+    full: &StoredMeta,
+    full_range: (usize, usize),
+    full_blocks: &[(usize, usize)],
+    req: &MetaRequest<'_>,
+) -> StoredMeta {
+    if req.token_range == full_range && req.block_ranges == full_blocks {
+        return full.clone();
+    }
+    let lo = req.token_range.0.saturating_sub(full_range.0);
+    let hi = req.token_range.1.saturating_sub(full_range.0);
+    let token_ids = full
+        .token_ids
+        .get(lo..hi.min(full.token_ids.len()))
+        .unwrap_or(&[])
+        .to_vec();
+    let extra_keys = full.extra_keys.as_ref().map(|keys| {
+        full_blocks
+            .iter()
+            .zip(keys)
+            .filter(|(r, _)| req.block_ranges.contains(r))
+            .map(|(_, k)| k.clone())
+            .collect::<Vec<_>>()
+    });
+    StoredMeta {
+        token_ids,
+        lora_id: full.lora_id,
+        lora_name: full.lora_name.clone(),
+        extra_keys: extra_keys.filter(|k| !k.is_empty()),
+    }
 }
 
 /// `getattr(obj, name, None)` that lets other errors through.
@@ -399,31 +434,35 @@ impl PyBlockPool {
 
     /// Number of blocks, the null block included.
     #[getter]
-    fn num_gpu_blocks(&self) -> usize {
-        self.inner.num_blocks()
+    fn num_gpu_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let me = lock(slf, "pool")?;
+        Ok(me.inner.num_blocks())
     }
 
     /// Whether prefix caching is on.
     #[getter]
-    fn enable_caching(&self) -> bool {
-        self.inner.enable_caching()
+    fn enable_caching(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        let me = lock(slf, "pool")?;
+        Ok(me.inner.enable_caching())
     }
 
     /// Tokens per hash block.
     #[getter]
-    fn hash_block_size(&self) -> usize {
-        self.inner.hash_block_size()
+    fn hash_block_size(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let me = lock(slf, "pool")?;
+        Ok(me.inner.hash_block_size())
     }
 
     /// Whether KV events are recorded.
     #[getter]
-    fn enable_kv_cache_events(&self) -> bool {
-        self.inner.events_enabled()
+    fn enable_kv_cache_events(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        let me = lock(slf, "pool")?;
+        Ok(me.inner.events_enabled())
     }
 
     /// The null block's id (0).
     #[getter]
-    fn null_block(&self) -> u32 {
+    fn null_block(_slf: &Bound<'_, Self>) -> u32 {
         BlockPool::null_block()
     }
 
@@ -433,12 +472,13 @@ impl PyBlockPool {
         BlockList { pool: slf }
     }
 
-    fn get_num_free_blocks(&self) -> usize {
-        self.inner.get_num_free_blocks()
+    fn get_num_free_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let me = lock(slf, "pool")?;
+        Ok(me.inner.get_num_free_blocks())
     }
 
     fn get_usage(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<PyObject> {
-        let usage = slf.try_borrow()?.inner.get_usage();
+        let usage = lock(slf, "pool")?.inner.get_usage();
         Ok(match usage {
             Some(u) => u.into_pyobject(py)?.into_any().unbind(),
             None => 0i64.into_pyobject(py)?.into_any().unbind(),
@@ -449,7 +489,7 @@ impl PyBlockPool {
     // Python object: allocating one can run a collection, whose finalizers can switch threads,
     // and another thread must then find the pool free.
     fn get_new_blocks(slf: &Bound<'_, Self>, num_blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        let mut me = slf.try_borrow_mut()?;
+        let mut me = lock_mut(slf, "pool")?;
         let free = me.inner.get_num_free_blocks();
         let n = match int_of(num_blocks, "num_blocks")? {
             Int::V(v) if v < 0 => return Err(to_pyerr(PoolError::NegativeCount(v))),
@@ -473,8 +513,7 @@ impl PyBlockPool {
 
     fn touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = extract_ids(num_blocks(slf)?, blocks)?;
-        Ok(slf
-            .try_borrow_mut()?
+        Ok(lock_mut(slf, "pool")?
             .inner
             .touch(&ids)
             .map_err(Error::Pool)?)
@@ -495,8 +534,7 @@ impl PyBlockPool {
         } else {
             0.0
         };
-        Ok(slf
-            .try_borrow_mut()?
+        Ok(lock_mut(slf, "pool")?
             .inner
             .free_blocks_retained(ids.iter().copied(), retention, now)
             .map_err(Error::Pool)?)
@@ -505,25 +543,31 @@ impl PyBlockPool {
     /// The clock deadlines are read from (kvcore extension): a callable returning seconds, or
     /// None for `time.monotonic`.
     #[getter]
-    fn get_clock(&self, py: Python<'_>) -> Option<PyObject> {
-        self.clock.as_ref().map(|c| c.clone_ref(py))
+    fn get_clock(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<Option<PyObject>> {
+        let me = lock(slf, "pool")?;
+        Ok(me.clock.as_ref().map(|c| c.clone_ref(py)))
     }
 
     #[setter]
-    fn set_clock(&mut self, clock: Option<PyObject>) {
-        self.clock = clock;
+    fn set_clock(slf: &Bound<'_, Self>, clock: Option<PyObject>) -> PyResult<()> {
+        let mut me = lock_mut(slf, "pool")?;
+        me.clock = clock;
+        Ok(())
     }
 
     /// Router-exact events (kvcore extension): `BlockStored` for a key's first block only,
     /// `BlockRemoved` when its last block leaves.
     #[getter]
-    fn get_exact_router_events(&self) -> bool {
-        self.inner.exact_router_events()
+    fn get_exact_router_events(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        let me = lock(slf, "pool")?;
+        Ok(me.inner.exact_router_events())
     }
 
     #[setter]
-    fn set_exact_router_events(&mut self, on: Flag) {
-        self.inner.set_exact_router_events(on.0);
+    fn set_exact_router_events(slf: &Bound<'_, Self>, on: Flag) -> PyResult<()> {
+        let mut me = lock_mut(slf, "pool")?;
+        me.inner.set_exact_router_events(on.0);
+        Ok(())
     }
 
     /// Applies the retention and pin deadlines that are due by the clock (kvcore extension);
@@ -555,8 +599,7 @@ impl PyBlockPool {
         let now = if ttl.is_some() { Self::now(slf)? } else { 0.0 };
         let views: Vec<(u32, &[BlockHash])> =
             groups.iter().map(|(g, h)| (*g, h.as_slice())).collect();
-        Ok(slf
-            .try_borrow_mut()?
+        Ok(lock_mut(slf, "pool")?
             .inner
             .pin_prefix(&views, ttl, now, max_pinned)
             .map_err(Error::Pool)?)
@@ -568,25 +611,28 @@ impl PyBlockPool {
         let groups = pin_groups(groups)?;
         let views: Vec<(u32, &[BlockHash])> =
             groups.iter().map(|(g, h)| (*g, h.as_slice())).collect();
-        Ok(slf.try_borrow_mut()?.inner.unpin_prefix(&views))
+        Ok(lock_mut(slf, "pool")?.inner.unpin_prefix(&views))
     }
 
     /// Number of pinned blocks (kvcore extension).
     #[getter]
-    fn num_pinned_blocks(&self) -> usize {
-        self.inner.num_pinned_blocks()
+    fn num_pinned_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let me = lock(slf, "pool")?;
+        Ok(me.inner.num_pinned_blocks())
     }
 
     /// Whether each block is pinned (kvcore extension).
     fn are_pinned(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let ids = extract_ids(num_blocks(slf)?, block_ids)?;
-        let me = slf.try_borrow()?;
+        let me = lock(slf, "pool")?;
         Ok(ids.iter().map(|&b| me.inner.is_pinned(b)).collect())
     }
 
     /// Makes every cached block unfindable while requests run (kvcore extension).
-    fn invalidate_prefix_cache(&mut self) {
-        self.inner.invalidate_prefix_cache();
+    fn invalidate_prefix_cache(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let mut me = lock_mut(slf, "pool")?;
+        me.inner.invalidate_prefix_cache();
+        Ok(())
     }
 
     #[pyo3(signature = (request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask = None))]
@@ -615,7 +661,7 @@ impl PyBlockPool {
             )));
         }
         let (n_blocks, hbs, events) = {
-            let me = slf.try_borrow()?;
+            let me = lock(slf, "pool")?;
             (
                 me.inner.num_blocks(),
                 me.inner.hash_block_size(),
@@ -704,15 +750,20 @@ impl PyBlockPool {
         // Read when the reference first builds a key (after the checks above).
         let kv_cache_group_id = group_id_of(kv_cache_group_id)?;
         let mask_ok = block_mask.as_ref().is_none_or(|m| m.len() == new_ids.len());
-        let meta_value = if events && mask_ok {
-            let ranges: Vec<(usize, usize)> = new_ids
+        let ranges: Vec<(usize, usize)> = if events && mask_ok {
+            new_ids
                 .iter()
                 .enumerate()
                 .filter(|&(i, &b)| b != 0 && block_mask.as_ref().is_none_or(|m| m[i]))
                 .map(|(i, _)| ((num_cached + i) * bs, (num_cached + i + 1) * bs))
-                .collect();
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let full_range = (num_cached * bs, num_full * bs);
+        let meta_value = if events && mask_ok {
             let req = MetaRequest {
-                token_range: (num_cached * bs, num_full * bs),
+                token_range: full_range,
                 block_ranges: &ranges,
                 first_mm_idx: 0,
             };
@@ -720,19 +771,20 @@ impl PyBlockPool {
         } else {
             None
         };
-        let mut meta_slot = meta_value;
         let mut get = |i: usize| -> Result<BlockHash, Error> {
             hashes
                 .get(i - first)
                 .copied()
                 .ok_or_else(|| invalid("hash view index out of range").into())
         };
-        let mut meta = |_: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
-            meta_slot
-                .take()
-                .ok_or_else(|| invalid("event metadata requested twice").into())
+        // The metadata of the whole call, read above; router-exact events ask for runs of it.
+        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
+            let full = meta_value
+                .as_ref()
+                .ok_or_else(|| invalid("event metadata was not read"))?;
+            Ok(sub_meta(full, full_range, &ranges, req))
         };
-        let mut me = slf.try_borrow_mut()?;
+        let mut me = lock_mut(slf, "pool")?;
         Ok(me.inner.cache_full_blocks::<Error>(
             &new_ids,
             num_cached,
@@ -758,7 +810,7 @@ impl PyBlockPool {
         block_size: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let (n_blocks, hbs, events) = {
-            let me = slf.try_borrow()?;
+            let me = lock(slf, "pool")?;
             (
                 me.inner.num_blocks(),
                 me.inner.hash_block_size(),
@@ -834,7 +886,7 @@ impl PyBlockPool {
                 .take()
                 .ok_or_else(|| invalid("event metadata requested twice").into())
         };
-        let key = slf.try_borrow_mut()?.inner.cache_partial_block::<Error>(
+        let key = lock_mut(slf, "pool")?.inner.cache_partial_block::<Error>(
             b,
             nt,
             kv_cache_group_id,
@@ -859,7 +911,7 @@ impl PyBlockPool {
             .try_iter()?
             .map(|g| group_id_of(&g?))
             .collect::<PyResult<Vec<u32>>>()?;
-        let me = slf.try_borrow()?;
+        let me = lock(slf, "pool")?;
         let mut hash: Option<Option<BlockHash>> = None;
         let mut out = Vec::new();
         for gid in gids {
@@ -899,21 +951,20 @@ impl PyBlockPool {
         // A list or tuple is read lazily under the borrow (indexing one runs no Python code);
         // any other sequence is copied first.
         if block_hashes.is_instance_of::<PyList>() || block_hashes.is_instance_of::<PyTuple>() {
-            let me = slf.try_borrow()?;
+            let me = lock(slf, "pool")?;
             return cached_prefix(&me.inner, block_hashes, max, &kv_cache_group_ids, stride);
         }
         let copied = PyList::new(
             slf.py(),
             block_hashes.try_iter()?.collect::<PyResult<Vec<_>>>()?,
         )?;
-        let me = slf.try_borrow()?;
+        let me = lock(slf, "pool")?;
         cached_prefix(&me.inner, copied.as_any(), max, &kv_cache_group_ids, stride)
     }
 
     fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = extract_evict_ids(num_blocks(slf)?, block_ids)?;
-        Ok(slf
-            .try_borrow_mut()?
+        Ok(lock_mut(slf, "pool")?
             .inner
             .evict_blocks(&ids)
             .map_err(Error::Pool)?)
@@ -921,7 +972,7 @@ impl PyBlockPool {
 
     fn reset_prefix_cache(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<bool> {
         let (ok, used) = {
-            let mut me = slf.try_borrow_mut()?;
+            let mut me = lock_mut(slf, "pool")?;
             let ok = me.inner.reset_prefix_cache();
             (
                 ok,
@@ -944,27 +995,29 @@ impl PyBlockPool {
     }
 
     fn take_events(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<Py<PyList>> {
-        if !slf.try_borrow()?.inner.has_pending_events() {
+        if !lock(slf, "pool")?.inner.has_pending_events() {
             return Ok(PyList::empty(py).unbind());
         }
         // Read the hash form first: a bad environment value must leave the queue intact.
         let as_int = use_int_hashes(py)?;
         // Building the Python events can run Python code (a collection, finalizers) and so
         // switch threads: the pool is not borrowed while it does.
-        let events = slf.try_borrow_mut()?.inner.take_events();
+        let events = lock_mut(slf, "pool")?.inner.take_events();
         events_to_py(py, events, as_int)
     }
 
     /// Starts or stops recording the operations a block-metrics collector follows.
-    fn record_block_ops(&mut self, on: bool) {
-        self.inner.record_block_ops(on);
+    fn record_block_ops(slf: &Bound<'_, Self>, on: bool) -> PyResult<()> {
+        let mut me = lock_mut(slf, "pool")?;
+        me.inner.record_block_ops(on);
+        Ok(())
     }
 
     /// The recorded operations as `(kind, block_id)` pairs in pool order: kind 0 allocated,
     /// 1 accessed, 2 evicted, 3 the prefix cache was reset (block id 0).
     fn take_block_ops(slf: &Bound<'_, Self>) -> PyResult<Vec<(u8, u32)>> {
         use kvcore_core::pool::BlockOp;
-        let ops = slf.try_borrow_mut()?.inner.take_block_ops();
+        let ops = lock_mut(slf, "pool")?.inner.take_block_ops();
         Ok(ops
             .into_iter()
             .map(|op| match op {
@@ -977,18 +1030,18 @@ impl PyBlockPool {
     }
 
     fn get_all_free_block_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<u32>> {
-        Ok(slf.try_borrow()?.inner.all_free_block_ids())
+        Ok(lock(slf, "pool")?.inner.all_free_block_ids())
     }
 
     fn get_ref_cnts(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
         let ids = extract_ids(num_blocks(slf)?, block_ids)?;
-        let me = slf.try_borrow()?;
+        let me = lock(slf, "pool")?;
         Ok(ids.iter().map(|&b| me.inner.ref_cnt(b)).collect())
     }
 
     fn count_evictable(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
         let ids = extract_ids(num_blocks(slf)?, block_ids)?;
-        Ok(slf.try_borrow()?.inner.count_evictable(&ids))
+        Ok(lock(slf, "pool")?.inner.count_evictable(&ids))
     }
 
     fn get_block_hashes<'py>(
@@ -998,7 +1051,7 @@ impl PyBlockPool {
     ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
         let ids = extract_ids(num_blocks(slf)?, block_ids)?;
         let keys: Vec<_> = {
-            let me = slf.try_borrow()?;
+            let me = lock(slf, "pool")?;
             ids.iter()
                 .map(|&b| me.inner.primary_key(b).map(|(k, _)| k.to_bytes()))
                 .collect()
@@ -1009,28 +1062,33 @@ impl PyBlockPool {
             .collect())
     }
 
-    fn check_invariants(&self) -> PyResult<()> {
-        self.inner
+    fn check_invariants(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let me = lock(slf, "pool")?;
+        me.inner
             .check_invariants()
             .map_err(|m| PyAssertionError::new_err(format!("block pool invariant broken: {m}")))
     }
 
-    fn __len__(&self) -> usize {
-        self.inner.num_blocks()
+    fn __len__(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        let me = lock(slf, "pool")?;
+        Ok(me.inner.num_blocks())
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "BlockPool(num_gpu_blocks={}, free={}, cached_keys={}, enable_caching={})",
-            self.inner.num_blocks(),
-            self.inner.get_num_free_blocks(),
-            self.inner.num_cached_keys(),
-            if self.inner.enable_caching() {
-                "True"
-            } else {
-                "False"
-            },
-        )
+    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+        let me = lock(slf, "pool")?;
+        Ok({
+            format!(
+                "BlockPool(num_gpu_blocks={}, free={}, cached_keys={}, enable_caching={})",
+                me.inner.num_blocks(),
+                me.inner.get_num_free_blocks(),
+                me.inner.num_cached_keys(),
+                if me.inner.enable_caching() {
+                    "True"
+                } else {
+                    "False"
+                },
+            )
+        })
     }
 }
 
@@ -1038,7 +1096,7 @@ impl PyBlockPool {
     /// Reads the clock (no borrow of the pool is held while it runs).
     pub fn now(slf: &Bound<'_, Self>) -> PyResult<f64> {
         let py = slf.py();
-        let clock = slf.try_borrow()?.clock.as_ref().map(|c| c.clone_ref(py));
+        let clock = lock(slf, "pool")?.clock.as_ref().map(|c| c.clone_ref(py));
         let t = match clock {
             Some(c) => c.call0(py)?,
             None => py.import("time")?.getattr("monotonic")?.call0()?.unbind(),
@@ -1055,12 +1113,12 @@ impl PyBlockPool {
     /// [`Self::expire`]: reads the clock only when a deadline exists, then applies what is
     /// due.
     pub fn expire_due(slf: &Bound<'_, Self>) -> PyResult<()> {
-        let next = slf.try_borrow()?.inner.next_expiry();
+        let next = lock(slf, "pool")?.inner.next_expiry();
         if next == f64::INFINITY {
             return Ok(());
         }
         let now = Self::now(slf)?;
-        let mut me = slf.try_borrow_mut()?;
+        let mut me = lock_mut(slf, "pool")?;
         if me.inner.needs_expire(now) {
             me.inner.expire(now);
         }
@@ -1087,13 +1145,13 @@ pub struct BlockList {
 #[pymethods]
 impl BlockList {
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.pool.try_borrow(py)?.inner.num_blocks())
+        Ok(lock(self.pool.bind(py), "pool")?.inner.num_blocks())
     }
 
     /// `blocks[i]` (negative `i` counts from the end; an int of any size outside the pool
     /// raises IndexError, as on a list) or `blocks[a:b:c]`, a list of views.
     fn __getitem__(&self, py: Python<'_>, index: &Bound<'_, PyAny>) -> PyResult<PyObject> {
-        let pool = self.pool.try_borrow(py)?;
+        let pool = lock(self.pool.bind(py), "pool")?;
         let n = pool.inner.num_blocks();
         if let Ok(slice) = index.downcast::<PySlice>() {
             let ix = slice.indices(n as isize)?;

@@ -144,12 +144,12 @@ impl Deadlines {
         self.deadline_of.remove(&block);
     }
 
-    /// Removes and returns the blocks whose deadline is at or before `now`, earliest first
-    /// within each time to live.
+    /// Removes and returns the blocks whose deadline is at or before `now`, earliest deadline
+    /// first (blocks of one free keep their order).
     pub(super) fn take_due(&mut self, now: f64) -> Vec<BlockId> {
-        let mut due = Vec::new();
+        let mut due: Vec<(f64, BlockId)> = Vec::new();
         if now < self.next {
-            return due;
+            return Vec::new();
         }
         let mut next = f64::INFINITY;
         for (_, fifo) in &mut self.fifos {
@@ -161,13 +161,15 @@ impl Deadlines {
                 fifo.pop_front();
                 if self.deadline_of.get(&block) == Some(&deadline) {
                     self.deadline_of.remove(&block);
-                    due.push(block);
+                    due.push((deadline, block));
                 }
             }
         }
         self.fifos.retain(|f| !f.1.is_empty());
         self.next = next;
-        due
+        // Each FIFO is in deadline order; merging them is a stable sort of what is due.
+        due.sort_by(|a, b| a.0.total_cmp(&b.0));
+        due.into_iter().map(|(_, b)| b).collect()
     }
 
     /// Forgets everything.

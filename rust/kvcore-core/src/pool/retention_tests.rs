@@ -245,3 +245,19 @@ fn exact_events_name_first_and_last_copies() {
         }]
     );
 }
+
+#[test]
+fn earliest_deadline_expires_first_across_ttls() {
+    let mut p = pool(8);
+    let a = cached_free(
+        &mut p,
+        &[h(1)],
+        Retention::new(100, Some(10.0)).unwrap(),
+        0.0,
+    );
+    let b = cached_free(&mut p, &[h(2)], Retention::new(90, Some(3.0)).unwrap(), 2.0);
+    p.get_new_blocks(5).unwrap(); // the never-used blocks
+    p.expire(20.0);
+    assert_eq!(p.all_free_block_ids(), vec![b[0], a[0]]);
+    p.check_invariants().unwrap();
+}

@@ -1,0 +1,159 @@
+"""Many threads share one ``KVCacheManager`` and one pool; a request's properties re-enter it.
+
+Eight threads each play their own stream of requests against one manager (prefix lookups,
+admissions, decode steps, frees, with events on and, in one thread, event draining), while a
+busy-loop process keeps the CPU loaded and the interpreter switches threads as often as it can.
+No call may fail spuriously (no ``RuntimeError("Already borrowed")``, no ``NoFreeBlocksError``
+or invariant error from a race between a capacity check and its allocation), and at the end
+every block is back in the free queue and the invariants hold. Both the native single
+full-attention path and the Python coordinators (full + sliding window) are covered.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from kvcore import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheManager,
+    Request,
+    SlidingWindowSpec,
+)
+from kvcore.hashing import get_request_block_hasher, init_none_hash, sha256
+
+ATTN: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
+NUM_THREADS = 8
+REQUESTS_PER_THREAD = 150
+
+
+def _spin() -> None:  # pragma: no cover - runs in the busy-loop process
+    while True:
+        pass
+
+
+@contextmanager
+def busy_cpu_and_tiny_switch_interval() -> Iterator[None]:
+    """A busy-loop process beside the test, and thread switches as often as possible."""
+    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    spinner.start()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+        spinner.terminate()
+        spinner.join()
+
+
+def make_manager(hybrid: bool, native: bool, monkeypatch: pytest.MonkeyPatch) -> KVCacheManager:
+    monkeypatch.setattr(KVCacheManager, "use_native_fast_path", native)
+    groups = [KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=4, **ATTN))]
+    if hybrid:
+        groups.append(
+            KVCacheGroupSpec(["swa"], SlidingWindowSpec(block_size=4, sliding_window=16, **ATTN))
+        )
+    return KVCacheManager(
+        KVCacheConfig(72 if hybrid else 40, [], groups),
+        max_model_len=512,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        enable_kv_cache_events=True,
+    )
+
+
+class Worker:
+    def __init__(self, mgr: KVCacheManager, seed: int, stems: list[list[int]]) -> None:
+        self.mgr = mgr
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.stems = stems
+        self.hasher = get_request_block_hasher(4, sha256)
+        self.errors: list[BaseException] = []
+        self.admitted = 0
+        self.refused = 0
+
+    def admit(self, i: int) -> Request | None:
+        rng, mgr = self.rng, self.mgr
+        prompt = list(rng.choice(self.stems)) + [
+            rng.randrange(1000) for _ in range(rng.randrange(1, 30))
+        ]
+        req = Request(f"t{self.seed}-{i}", prompt, block_hasher=self.hasher)
+        hits, n = mgr.get_computed_blocks(req)
+        if mgr.allocate_slots(req, len(prompt) - n, n, hits) is None:
+            self.refused += 1
+            return None
+        self.admitted += 1
+        req.num_computed_tokens = len(prompt)
+        return req
+
+    def step(self, live: list[Request]) -> None:
+        """One decode step for each live request; a request that does not fit is freed."""
+        for req in list(live):
+            req.append_output_token_ids(self.rng.randrange(1000))
+            if self.mgr.allocate_slots(req, 1) is None:
+                self.refused += 1
+                self.mgr.free(req)
+                live.remove(req)
+            else:
+                req.num_computed_tokens += 1
+
+    def run(self, start: threading.Barrier) -> None:
+        live: list[Request] = []
+        try:
+            start.wait()
+            for i in range(REQUESTS_PER_THREAD):
+                req = self.admit(i)
+                if req is not None:
+                    live.append(req)
+                self.step(live)
+                if len(live) > 3 or (live and self.rng.random() < 0.3):
+                    self.mgr.free(live.pop(self.rng.randrange(len(live))))
+                if self.seed == 0:
+                    self.mgr.take_events()
+            for req in live:
+                self.mgr.free(req)
+        except BaseException as e:  # reported by the main thread
+            self.errors.append(e)
+
+
+@pytest.mark.parametrize(
+    ("hybrid", "native"),
+    [(False, True), (False, False), (True, False)],
+    ids=["native", "python", "hybrid"],
+)
+def test_threads_share_one_manager(
+    hybrid: bool, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    init_none_hash(sha256)
+    mgr = make_manager(hybrid, native, monkeypatch)
+    stem_rng = random.Random(3)
+    stems = [[stem_rng.randrange(1000) for _ in range(stem_rng.randrange(0, 40))] for _ in range(5)]
+    workers = [Worker(mgr, seed, stems) for seed in range(NUM_THREADS)]
+    start = threading.Barrier(NUM_THREADS)
+    threads = [threading.Thread(target=w.run, args=(start,)) for w in workers]
+    with busy_cpu_and_tiny_switch_interval():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    errors = [e for w in workers for e in w.errors]
+    assert errors == [], errors[:3]
+    assert sum(w.admitted for w in workers) > NUM_THREADS * REQUESTS_PER_THREAD // 10
+    assert sum(w.refused for w in workers) > 0  # the pool ran full: capacity checks raced
+    pool: Any = mgr.block_pool
+    pool.check_invariants()
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    mgr.take_events()
+    assert mgr.reset_prefix_cache()
