@@ -157,3 +157,61 @@ def test_threads_share_one_manager(
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
     mgr.take_events()
     assert mgr.reset_prefix_cache()
+
+
+class ReentrantRequest:
+    """A duck-typed request whose every attribute read calls into the manager and its pool."""
+
+    def __init__(self, inner: Request, mgr: KVCacheManager) -> None:
+        self._inner = inner
+        self._mgr = mgr
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        mgr = self._mgr
+        pool: Any = mgr.block_pool
+        pool.get_num_free_blocks()
+        pool.get_all_free_block_ids()
+        mgr.get_block_ids("somebody-else")
+        _ = mgr.usage
+        self.calls += 1
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize(
+    ("hybrid", "native"),
+    [(False, True), (False, False), (True, False)],
+    ids=["native", "python", "hybrid"],
+)
+def test_reentrant_request_is_served_like_a_plain_one(
+    hybrid: bool, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose properties call the manager and the pool mid-call is served, with the
+    same blocks and events as a plain request (nothing is held while request code runs)."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(4, sha256)
+    results = []
+    for wrap in (False, True):
+        mgr = make_manager(hybrid, native, monkeypatch)
+        log: list[Any] = []
+        for i, prompt in enumerate([list(range(30)), [*range(30), 7, 8], list(range(50, 75))]):
+            inner = Request(f"r{i}", prompt, block_hasher=hasher)
+            req: Any = ReentrantRequest(inner, mgr) if wrap else inner
+            hits, n = mgr.get_computed_blocks(req)
+            new = mgr.allocate_slots(req, len(prompt) - n, n, hits)
+            assert new is not None
+            inner.num_computed_tokens = len(prompt)
+            for _ in range(5):
+                inner.append_output_token_ids(1)
+                assert mgr.allocate_slots(req, 1) is not None
+                inner.num_computed_tokens += 1
+            log.append((n, mgr.get_block_ids(inner.request_id)))
+            if i == 1:
+                mgr.free(req)
+            if wrap:
+                assert req.calls > 0
+        log.append([type(e).__name__ for e in mgr.take_events()])
+        pool: Any = mgr.block_pool
+        pool.check_invariants()
+        results.append(log)
+    assert results[0] == results[1]

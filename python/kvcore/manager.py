@@ -25,7 +25,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, cast, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Concatenate,
+    Literal,
+    ParamSpec,
+    TypeVar,
+    cast,
+    overload,
+)
 
 from kvcore._native import BlockPool, NoFreeBlocksError, Retention
 from kvcore.blocks import KVCacheBlocks
@@ -142,16 +152,18 @@ class PrefixCacheStats:
 
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
+_M = TypeVar("_M", bound="KVCacheManager")
 
 
-def _serialized(method: Callable[..., _T]) -> Callable[..., _T]:
+def _serialized(method: Callable[Concatenate[_M, _P], _T]) -> Callable[Concatenate[_M, _P], _T]:
     """Runs the method under the manager's lock, so that calls from many threads on the
     Python path (the coordinators check capacity, then allocate, in separate pool calls) are
     serialised. The lock is re-entrant: a request property that calls the manager from inside
     a call is served. The native path serialises its own calls (``kvcore._native``)."""
 
     @functools.wraps(method)
-    def call(self: KVCacheManager, *args: Any, **kwargs: Any) -> _T:
+    def call(self: _M, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         with self._lock:
             return method(self, *args, **kwargs)
 
@@ -742,7 +754,6 @@ class KVCacheManager:
         allow_none: bool = False,
     ) -> list[tuple[list[int], ...] | None]: ...
 
-    @_serialized
     def allocate_slots_batch(
         self,
         requests: Sequence[Request],
@@ -789,11 +800,12 @@ class KVCacheManager:
                 # ALLOC-1 (zero) and negative counts, for every request before any is allocated.
                 raise InvalidArgumentError(f"num_new_tokens must be positive, got {n}")
         out: list[tuple[list[int], ...] | None] = []
-        for request, n in zip(requests, num_new_tokens, strict=True):
-            blocks = self.allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)
-            if blocks is None:
-                break
-            out.append(blocks.get_block_ids(allow_none=allow_none))
+        with self._lock:  # one step: no other thread's call in between
+            for request, n in zip(requests, num_new_tokens, strict=True):
+                blocks = self.allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)
+                if blocks is None:
+                    break
+                out.append(blocks.get_block_ids(allow_none=allow_none))
         return out
 
     def _check_new_computed_blocks(self, request_id: str, ncb: tuple[Sequence[int], ...]) -> None:

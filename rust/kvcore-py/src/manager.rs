@@ -3,6 +3,9 @@
 //! routes every call here for that configuration (the common case) and keeps its Python
 //! coordinators for the others.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use kvcore_core::events::{MetaRequest, StoredMeta};
 use kvcore_core::full_attention::{AllocateArgs, RequestView, UnitaryFullAttention};
 use kvcore_core::hash::BlockHash;
@@ -10,28 +13,82 @@ use kvcore_core::pool::{BlockId, BlockPool, HashSource};
 use kvcore_core::PoolError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString, PyTuple};
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::args::{count_of, id_key, request_id_of, Count, Flag};
 use crate::errors::{invalid, to_pyerr, Error};
 use crate::pool::{
-    cached_prefix, extract_ids, request_retention, stored_meta, to_hash, PyBlockPool, PyRetention,
+    cached_prefix, extract_ids, get_opt, request_retention, stored_meta, to_hash, PyBlockPool,
+    PyRetention,
 };
 use crate::request::{prefetch_ahead, CoreCast};
-use crate::sync::{lock, lock_mut};
+use crate::sync::{lock, lock_mut, GilCell, Guarded};
 
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
 const WAITING: i64 = 1;
 const PREEMPTED: i64 = 6;
+
+/// `obj` itself when it is a list or a tuple (indexing those runs no Python code), else a
+/// list copied from it: sequences the core reads while the tables are held.
+fn listed(obj: Bound<'_, PyAny>) -> PyResult<Bound<'_, PyAny>> {
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        return Ok(obj);
+    }
+    let items = obj.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    Ok(PyList::new(obj.py(), items)?.into_any())
+}
+
+/// Whether an allocation may take a request past a block boundary, so that it caches a block
+/// (an upper bound: blocks left uncached by an earlier call are not counted).
+fn may_fill_a_block(
+    num_computed: usize,
+    num_tokens: usize,
+    block_size: usize,
+    args: &AllocateArgs<'_>,
+) -> bool {
+    let total = num_computed
+        .saturating_add(args.num_new_computed_tokens)
+        .saturating_add(args.num_external_computed_tokens)
+        .saturating_add(args.num_new_tokens)
+        .min(num_tokens);
+    total / block_size > num_computed / block_size
+}
+
+/// A plain copy of the request fields a `BlockStored` event reads (SPEC §17), taken before the
+/// tables are held so that a request whose attributes run Python code is not read meanwhile.
+fn event_snapshot<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    static NAMESPACE: GILOnceCell<PyObject> = GILOnceCell::new();
+    let py = request.py();
+    let cls = NAMESPACE.get_or_try_init(py, || -> PyResult<PyObject> {
+        Ok(py.import("types")?.getattr("SimpleNamespace")?.unbind())
+    })?;
+    let fields = PyDict::new(py);
+    for name in [
+        intern!(py, "all_token_ids"),
+        intern!(py, "lora_request"),
+        intern!(py, "cache_salt"),
+        intern!(py, "mm_features"),
+        intern!(py, "prompt_embeds"),
+        intern!(py, "_prompt_embeds_per_block_hashes"),
+    ] {
+        if let Some(v) = get_opt(py, request, name)? {
+            fields.set_item(name, v)?;
+        }
+    }
+    cls.bind(py).call((), Some(&fields))
+}
 
 fn count(v: i64, what: &str) -> PyResult<usize> {
     usize::try_from(v).map_err(|_| invalid(format!("{what} must be non-negative, got {v}")))
 }
 
 /// Per-call state of a unitary full-attention manager; see the module docs.
-#[pyclass(module = "kvcore._native", name = "UnitaryFullAttention")]
+#[pyclass(module = "kvcore._native", name = "UnitaryFullAttention", frozen)]
 pub struct PyUnitaryFullAttention {
-    core: UnitaryFullAttention,
+    /// The request tables, held by one call at a time ([`crate::sync`]); everything else is
+    /// fixed at construction and read without holding anything.
+    core: GilCell<UnitaryFullAttention>,
     pool: Py<PyBlockPool>,
     /// `kvcore.blocks.KVCacheBlocks`.
     blocks_cls: PyObject,
@@ -45,6 +102,18 @@ pub struct PyUnitaryFullAttention {
     watermark_blocks: usize,
     /// The pool's `enable_caching` (fixed at construction).
     caching: bool,
+    /// The pool's deadline flag ([`PyBlockPool::deadline_flag`]).
+    deadlines: Arc<AtomicBool>,
+    /// The pool's `enable_kv_cache_events` and the tables' block size (fixed).
+    events: bool,
+    block_size: usize,
+}
+
+impl Guarded for PyUnitaryFullAttention {
+    type State = UnitaryFullAttention;
+    fn cell(&self) -> &GilCell<UnitaryFullAttention> {
+        &self.core
+    }
 }
 
 impl PyUnitaryFullAttention {
@@ -54,11 +123,12 @@ impl PyUnitaryFullAttention {
     /// reference then raises ValueError from `get_new_blocks` after touching the hits.
     fn check_external_fits(
         &self,
+        core: &UnitaryFullAttention,
         pool: &BlockPool,
         req: &RequestView<'_>,
         args: &AllocateArgs<'_>,
     ) -> PyResult<()> {
-        let t = &self.core.tables;
+        let t = &core.tables;
         let ext = args.num_external_computed_tokens;
         if ext == 0 || t.is_running(req.id) || !t.blocks(req.id).is_empty() {
             return Ok(()); // nothing external, or a call that changes no table (or refuses)
@@ -123,18 +193,6 @@ impl PyUnitaryFullAttention {
         Ok(())
     }
 
-    /// The manager's pool, read under a borrow that ends at once.
-    fn pool_of(slf: &Bound<'_, Self>) -> PyResult<Py<PyBlockPool>> {
-        Ok(lock(slf, "manager")?.pool.clone_ref(slf.py()))
-    }
-
-    /// Applies the retention and pin deadlines due now (kvcore extension: they change what is
-    /// free), before the manager is held: the clock is Python code. One comparison when no
-    /// deadline exists.
-    fn expire_due(slf: &Bound<'_, Self>) -> PyResult<()> {
-        PyBlockPool::expire_due(Self::pool_of(slf)?.bind(slf.py()))
-    }
-
     fn make_blocks(&self, py: Python<'_>, ids: &[BlockId]) -> PyResult<PyObject> {
         if ids.is_empty() {
             return Ok(self.empty.clone_ref(py));
@@ -146,17 +204,24 @@ impl PyUnitaryFullAttention {
 
     /// One allocation (SPEC ALLOC-1..12) with parsed arguments: the new block ids, or `None`
     /// when the request does not fit.
+    ///
+    /// The request is read before the tables are held (a duck-typed request's attributes
+    /// are Python code), except its hash list's entries and, with events on, the fields an
+    /// event carries, which the core asks for as it caches. `next` names the batch and the
+    /// position of this request in it, to prefetch the following requests' state.
     fn allocate_inner<'py>(
-        &mut self,
+        &self,
+        slf: &Bound<'py, Self>,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
         args: AllocateArgs<'_>,
+        next: Option<(&Bound<'py, PyList>, usize)>,
     ) -> PyResult<Option<Vec<BlockId>>> {
         // A kvcore Request keeps these four fields in its native base: read them directly.
-        let core = self.cast.borrow(request)?;
+        let request_core = self.cast.borrow(request)?;
         let id_obj;
         let id_key_obj;
-        let (id, num_tokens, num_computed, status) = if let Some(c) = &core {
+        let (id, num_tokens, num_computed, status) = if let Some(c) = &request_core {
             (
                 c.id.as_str(),
                 count(c.num_tokens, "num_tokens")?,
@@ -164,7 +229,7 @@ impl PyUnitaryFullAttention {
                 c.status_value,
             )
         } else {
-            id_obj = Self::request_id(request)?;
+            id_obj = PyUnitaryFullAttention::request_id(request)?;
             let num_tokens = count_of(&request.getattr(intern!(py, "num_tokens"))?, "num_tokens")?;
             let num_computed = count_of(
                 &request.getattr(intern!(py, "num_computed_tokens"))?,
@@ -183,7 +248,7 @@ impl PyUnitaryFullAttention {
         };
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
-        let hint = core.as_ref().and_then(|c| c.table_hint.get());
+        let hint = request_core.as_ref().and_then(|c| c.table_hint.get());
         let view = RequestView {
             id,
             num_computed_tokens: num_computed,
@@ -194,14 +259,14 @@ impl PyUnitaryFullAttention {
         // A kvcore Request's native copy of its hashes, when it matches the list; checked only
         // when a block fills (the list's header is then read once).
         let mirror_cell: std::cell::OnceCell<Option<&[BlockHash]>> = std::cell::OnceCell::new();
-        let mirror = || *mirror_cell.get_or_init(|| core.as_ref()?.mirrored_hashes(py));
+        let mirror = || *mirror_cell.get_or_init(|| request_core.as_ref()?.mirrored_hashes(py));
         // Otherwise the hash list is read lazily, only when blocks fill.
         let hashes_obj: std::cell::OnceCell<Bound<'_, PyAny>> = std::cell::OnceCell::new();
         let fetch = || -> PyResult<&Bound<'_, PyAny>> {
             if let Some(h) = hashes_obj.get() {
                 return Ok(h);
             }
-            let h = request.getattr(intern!(py, "block_hashes"))?;
+            let h = listed(request.getattr(intern!(py, "block_hashes"))?)?;
             Ok(hashes_obj.get_or_init(|| h))
         };
         let mut hash_len = || -> Result<usize, Error> {
@@ -216,9 +281,34 @@ impl PyUnitaryFullAttention {
                 None => Ok(to_hash(&fetch()?.get_item(i)?)?),
             }
         };
-        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
-            Ok(stored_meta(py, request, req)?)
+        // With events on, a duck-typed request's event fields are copied now when this call
+        // may fill a block: the core asks for them while the tables are held.
+        let snapshot = if self.events
+            && self.caching
+            && !args.delay_cache_blocks
+            && request_core.is_none()
+            && may_fill_a_block(num_computed, num_tokens, self.block_size, &args)
+        {
+            Some(event_snapshot(request)?)
+        } else {
+            None
         };
+        let meta_source = snapshot.as_ref().unwrap_or(request);
+        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
+            Ok(stored_meta(py, meta_source, req)?)
+        };
+        // The hash list itself is read now; only its entries are read while the tables are
+        // held (indexing a list runs no Python code).
+        if request_core.is_none() && self.caching && !args.delay_cache_blocks {
+            fetch()?;
+        }
+        let mut core = lock_mut(slf, "manager")?;
+        if let Some((list, i)) = next {
+            let tables = &core.tables;
+            prefetch_ahead(list, i, &self.cast, |c| {
+                tables.prefetch_slot(c.table_hint.get());
+            });
+        }
         if self.caching && !args.delay_cache_blocks {
             // SPEC POOL-15 before anything changes: the reference asserts on too few hashes
             // only when it caches, after allocating.
@@ -227,13 +317,13 @@ impl PyUnitaryFullAttention {
                 .saturating_add(args.num_external_computed_tokens)
                 .min(self.max_model_len);
             let full = total.saturating_add(args.num_new_tokens).min(num_tokens)
-                / self.core.tables.block_size();
+                / core.tables.block_size();
             let have = match mirror() {
                 Some(m) => m.len(),
                 None => fetch()?.len()?,
             };
             if have < full {
-                let cached = match self.core.tables.get(id).and_then(|r| r.num_cached) {
+                let cached = match core.tables.get(id).and_then(|r| r.num_cached) {
                     Some(c) => c,
                     None => args.new_computed_blocks.map_or(0, <[BlockId]>::len),
                 };
@@ -245,8 +335,8 @@ impl PyUnitaryFullAttention {
             }
         }
         let mut pool = lock_mut(self.pool.bind(py), "pool")?;
-        self.check_external_fits(pool.core(), &view, &args)?;
-        let res = self.core.allocate_slots::<Error>(
+        self.check_external_fits(&core, pool.core(), &view, &args)?;
+        let res = core.allocate_slots::<Error>(
             pool.core_mut(),
             view,
             args,
@@ -258,8 +348,8 @@ impl PyUnitaryFullAttention {
         );
         drop(pool);
         let res = res?;
-        let tables = &self.core.tables;
-        let hint = match &core {
+        let tables = &core.tables;
+        let hint = match &request_core {
             Some(c) if !tables.hint_is_valid(hint) => {
                 let fresh = tables.hint(id);
                 c.table_hint.set(fresh);
@@ -268,6 +358,20 @@ impl PyUnitaryFullAttention {
             _ => hint,
         };
         Ok(res.map(|range| tables.blocks_hinted(id, hint)[range].to_vec()))
+    }
+}
+
+impl PyUnitaryFullAttention {
+    /// The manager's pool.
+    fn pool_of(slf: &Bound<'_, Self>) -> PyResult<Py<PyBlockPool>> {
+        Ok(slf.get().pool.clone_ref(slf.py()))
+    }
+
+    /// Applies the retention and pin deadlines due now (kvcore extension: they change what is
+    /// free), before the manager is held: the clock is Python code. One comparison when no
+    /// deadline exists.
+    fn expire_due(slf: &Bound<'_, Self>) -> PyResult<()> {
+        PyBlockPool::expire_due(Self::pool_of(slf)?.bind(slf.py()))
     }
 
     fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
@@ -296,20 +400,20 @@ impl PyUnitaryFullAttention {
         let bs = count(block_size, "block_size")?;
         let mml = count(max_model_len, "max_model_len")?;
         let wm = count(watermark_blocks, "watermark_blocks")?;
-        let caching = pool.try_borrow(py)?.core().enable_caching();
-        let core = UnitaryFullAttention::new(
-            pool.try_borrow(py)?.core(),
-            bs,
-            record_new_block_ids,
-            mml,
-            wm,
-            use_eagle,
-        )
-        .and_then(|c| c.with_spec_block_size(spec_block_size.map_or(bs, |v| v.max(0) as usize)))
-        .map_err(Error::Pool)?;
+        let held = lock(pool.bind(py), "pool")?;
+        let caching = held.core().enable_caching();
+        let events = held.core().events_enabled();
+        let deadlines = held.deadline_flag();
+        let core =
+            UnitaryFullAttention::new(held.core(), bs, record_new_block_ids, mml, wm, use_eagle)
+                .and_then(|c| {
+                    c.with_spec_block_size(spec_block_size.map_or(bs, |v| v.max(0) as usize))
+                })
+                .map_err(Error::Pool)?;
+        drop(held);
         let empty_blocks = empty.getattr(py, intern!(py, "blocks"))?;
         Ok(Self {
-            core,
+            core: GilCell::new(core),
             pool,
             blocks_cls,
             empty,
@@ -318,6 +422,9 @@ impl PyUnitaryFullAttention {
             max_model_len: mml,
             watermark_blocks: wm,
             caching,
+            deadlines,
+            events,
+            block_size: bs,
         })
     }
 
@@ -327,19 +434,17 @@ impl PyUnitaryFullAttention {
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
     ) -> PyResult<(PyObject, usize)> {
-        let guard = lock(slf, "manager")?;
-        let me = &*guard;
-        let pool = lock(me.pool.bind(py), "pool")?;
-        if !pool.core().enable_caching()
+        let me = slf.get();
+        // The request is read first: nothing is held while a duck-typed request runs code.
+        if !me.caching
             || request
                 .getattr(intern!(py, "skip_reading_prefix_cache"))?
                 .is_truthy()?
         {
             return Ok((me.empty.clone_ref(py), 0));
         }
-        let bs = me.core.tables.block_size();
-        let core = me.cast.borrow(request)?;
-        let num_tokens = match &core {
+        let request_core = me.cast.borrow(request)?;
+        let num_tokens = match &request_core {
             Some(c) => count(c.num_tokens, "num_tokens")?,
             None => count_of(&request.getattr(intern!(py, "num_tokens"))?, "num_tokens")?,
         };
@@ -347,28 +452,33 @@ impl PyUnitaryFullAttention {
             // The reference's walk over `num_tokens - 1` tokens raises ValueError (islice).
             return Err(invalid("a request without tokens has no prefix to look up"));
         }
-        let mirror = core.as_ref().and_then(|c| c.mirrored_hashes(py));
-        let mut hit = match (&core, mirror) {
-            (Some(_), Some(m)) => {
-                let max_blocks = (num_tokens - 1) / bs;
-                let walk = m.iter().take(max_blocks).copied();
-                pool.core()
-                    .longest_cached_prefix(walk, &[0])
-                    .pop()
-                    .unwrap_or_default()
-            }
-            _ => {
-                let hashes = request.getattr(intern!(py, "block_hashes"))?;
-                let max_blocks = (num_tokens - 1) / bs;
-                cached_prefix(pool.core(), &hashes, max_blocks, &[0], 1)?
-                    .pop()
-                    .unwrap_or_default()
-            }
+        let mirror = request_core.as_ref().and_then(|c| c.mirrored_hashes(py));
+        let hashes = match mirror {
+            Some(_) => None,
+            None => Some(listed(request.getattr(intern!(py, "block_hashes"))?)?),
         };
-        if me.core.use_eagle() && !hit.is_empty() {
+        let (mut hit, use_eagle, bs) = {
+            let core = lock(slf, "manager")?;
+            let bs = core.tables.block_size();
+            let max_blocks = (num_tokens - 1) / bs;
+            let pool = lock(me.pool.bind(py), "pool")?;
+            let hit = match (mirror, &hashes) {
+                (Some(m), _) => pool
+                    .core()
+                    .longest_cached_prefix(m.iter().take(max_blocks).copied(), &[0])
+                    .pop()
+                    .unwrap_or_default(),
+                (None, Some(h)) => cached_prefix(pool.core(), h, max_blocks, &[0], 1)?
+                    .pop()
+                    .unwrap_or_default(),
+                (None, None) => Vec::new(),
+            };
+            (hit, core.use_eagle(), bs)
+        };
+        if use_eagle && !hit.is_empty() {
             hit.pop();
         }
-        let tokens = hit.len() * me.core.tables.block_size();
+        let tokens = hit.len() * bs;
         Ok((me.make_blocks(py, &hit)?, tokens))
     }
 
@@ -393,9 +503,11 @@ impl PyUnitaryFullAttention {
         reserved_blocks: Count,
         has_scheduled_reqs: Flag,
     ) -> PyResult<Option<PyObject>> {
-        Self::expire_due(slf)?;
-        let mut guard = lock_mut(slf, "manager")?;
-        let me = &mut *guard;
+        let me = slf.get();
+        if me.deadlines.load(Ordering::Relaxed) {
+            // Retention or pin deadlines may be due (kvcore extension): apply them first.
+            Self::expire_due(slf)?;
+        }
         // Counts of any size (saturated far above any pool or sequence, see `COUNT_CAP`), flags
         // by their truth value, as the reference reads them.
         let _ = num_encoder_tokens;
@@ -436,7 +548,7 @@ impl PyUnitaryFullAttention {
             reserved_blocks,
             has_scheduled_reqs,
         };
-        match me.allocate_inner(py, request, args)? {
+        match me.allocate_inner(slf, py, request, args, None)? {
             None => Ok(None),
             Some(ids) => Ok(Some(me.make_blocks(py, &ids)?)),
         }
@@ -457,9 +569,11 @@ impl PyUnitaryFullAttention {
         num_lookahead_tokens: Count,
         allow_none: Flag,
     ) -> PyResult<Bound<'py, PyList>> {
-        Self::expire_due(slf)?;
-        let mut guard = lock_mut(slf, "manager")?;
-        let me = &mut *guard;
+        let me = slf.get();
+        if me.deadlines.load(Ordering::Relaxed) {
+            // Retention or pin deadlines may be due (kvcore extension): apply them first.
+            Self::expire_due(slf)?;
+        }
         let (Count(lookahead), Flag(allow_none)) = (num_lookahead_tokens, allow_none);
         let counts = num_new_tokens
             .try_iter()?
@@ -481,12 +595,6 @@ impl PyUnitaryFullAttention {
         let out = PyList::empty(py);
         let list = requests.downcast_exact::<PyList>().ok();
         for (i, (request, n)) in requests.try_iter()?.zip(counts).enumerate() {
-            if let Some(list) = list {
-                let tables = &me.core.tables;
-                prefetch_ahead(list, i, &me.cast, |c| {
-                    tables.prefetch_slot(c.table_hint.get());
-                });
-            }
             let args = AllocateArgs {
                 num_new_tokens: n,
                 num_new_computed_tokens: 0,
@@ -498,7 +606,7 @@ impl PyUnitaryFullAttention {
                 reserved_blocks: 0,
                 has_scheduled_reqs: true,
             };
-            match me.allocate_inner(py, &request?, args)? {
+            match me.allocate_inner(slf, py, &request?, args, list.map(|l| (l, i)))? {
                 None => break,
                 Some(ids) if allow_none && ids.is_empty() => out.append(py.None())?,
                 Some(ids) => out.append(PyTuple::new(py, [PyList::new(py, ids)?])?)?,
@@ -528,13 +636,12 @@ impl PyUnitaryFullAttention {
         } else {
             0.0
         };
-        let mut guard = lock_mut(slf, "manager")?;
-        let me = &mut *guard;
-        let mut pool = lock_mut(me.pool.bind(py), "pool")?;
-        Ok(me
-            .core
+        let mut core = lock_mut(slf, "manager")?;
+        let mut pool = lock_mut(slf.get().pool.bind(py), "pool")?;
+        Ok(core
             .tables
             .free_retained(pool.core_mut(), &id_key(&id)?, retention, now)
+            .map(|()| pool.note_deadlines())
             .map_err(Error::Pool)?)
     }
 
@@ -543,10 +650,9 @@ impl PyUnitaryFullAttention {
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<BlockId>> {
-        let mut guard = lock_mut(slf, "manager")?;
-        let me = &mut *guard;
         let id = Self::request_id(request)?;
-        Ok(me.core.tables.pop(&id_key(&id)?))
+        let key = id_key(&id)?;
+        Ok(lock_mut(slf, "manager")?.tables.pop(&key))
     }
 
     /// SPEC MGR-25.
@@ -555,10 +661,9 @@ impl PyUnitaryFullAttention {
         py: Python<'_>,
         request_id: &Bound<'_, PyAny>,
     ) -> PyResult<PyObject> {
-        let guard = lock(slf, "manager")?;
-        let me = &*guard;
         let id = id_key(request_id_of(request_id)?)?;
-        me.make_blocks(py, me.core.tables.blocks(&id))
+        let ids = lock(slf, "manager")?.tables.blocks(&id).to_vec();
+        slf.get().make_blocks(py, &ids)
     }
 
     /// SPEC MGR-25: a fresh list per group.
@@ -567,11 +672,9 @@ impl PyUnitaryFullAttention {
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let guard = lock(slf, "manager")?;
-        let me = &*guard;
         let id = id_key(request_id_of(request_id)?)?;
-        let list = PyList::new(py, me.core.tables.blocks(&id))?;
-        PyTuple::new(py, [list])
+        let ids = lock(slf, "manager")?.tables.blocks(&id).to_vec();
+        PyTuple::new(py, [PyList::new(py, ids)?])
     }
 
     /// SPEC MGR-26 for a single full-attention group.
@@ -581,12 +684,12 @@ impl PyUnitaryFullAttention {
         request_id: &Bound<'py, PyAny>,
         num_computed_tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let guard = lock(slf, "manager")?;
-        let me = &*guard;
         let id = id_key(request_id_of(request_id)?)?;
         let n = count_of(num_computed_tokens, "num_computed_tokens")?;
-        let blocks = me.core.block_ids_for_computed_tokens(&id, n);
-        PyTuple::new(py, [PyList::new(py, blocks)?])
+        let ids = lock(slf, "manager")?
+            .block_ids_for_computed_tokens(&id, n)
+            .to_vec();
+        PyTuple::new(py, [PyList::new(py, ids)?])
     }
 
     /// SPEC FA-2 (one value: the only group).
@@ -595,12 +698,10 @@ impl PyUnitaryFullAttention {
         py: Python<'_>,
         request_id: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<usize>> {
-        let mut guard = lock_mut(slf, "manager")?;
-        let me = &mut *guard;
         let id = id_key(request_id_of(request_id)?)?;
-        let pool = lock(me.pool.bind(py), "pool")?;
-        Ok(vec![me
-            .core
+        let mut core = lock_mut(slf, "manager")?;
+        let pool = lock(slf.get().pool.bind(py), "pool")?;
+        Ok(vec![core
             .tables
             .get_num_common_prefix_blocks(pool.core(), &id)])
     }
@@ -612,15 +713,15 @@ impl PyUnitaryFullAttention {
         request: &Bound<'_, PyAny>,
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let mut guard = lock_mut(slf, "manager")?;
-        let me = &mut *guard;
         let n = count_of(num_computed_tokens, "num_computed_tokens")?;
         let id_obj = Self::request_id(request)?;
         let id = id_key(&id_obj)?;
+        let hashes = listed(request.getattr(intern!(py, "block_hashes"))?)?;
+        let mut core = lock_mut(slf, "manager")?;
         // Refused before the core looks the request up (which creates its entry): a request
         // must hold the blocks it caches (the reference fails on the missing blocks with
         // IndexError when events are on, and caches nothing for them otherwise).
-        let tables = &me.core.tables;
+        let tables = &core.tables;
         let full = n / tables.block_size();
         let cached = tables.get(&id).and_then(|r| r.num_cached).unwrap_or(0);
         if cached < full && tables.blocks(&id).len() < full {
@@ -629,14 +730,13 @@ impl PyUnitaryFullAttention {
                 tables.blocks(&id).len()
             ))));
         }
-        let hashes = request.getattr(intern!(py, "block_hashes"))?;
         let len = hashes.len()?;
         let mut get = |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&hashes.get_item(i)?)?) };
         let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
             Ok(stored_meta(py, request, req)?)
         };
-        let mut pool = lock_mut(me.pool.bind(py), "pool")?;
-        Ok(me.core.tables.cache_blocks::<Error>(
+        let mut pool = lock_mut(slf.get().pool.bind(py), "pool")?;
+        Ok(core.tables.cache_blocks::<Error>(
             pool.core_mut(),
             &id,
             n,
@@ -650,24 +750,18 @@ impl PyUnitaryFullAttention {
 
     /// SPEC MGR-29.
     fn take_new_block_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<BlockId>> {
-        let mut guard = lock_mut(slf, "manager")?;
-        let me = &mut *guard;
-        Ok(me.core.tables.take_new_block_ids())
+        Ok(lock_mut(slf, "manager")?.tables.take_new_block_ids())
     }
 
     /// Number of requests with a block-table entry (`len(req_to_blocks)`).
     fn num_requests(slf: &Bound<'_, Self>) -> PyResult<usize> {
-        let guard = lock(slf, "manager")?;
-        let me = &*guard;
-        Ok(me.core.tables.num_entries())
+        Ok(lock(slf, "manager")?.tables.num_entries())
     }
 
     /// Whether the request is running (has a cached-block count).
     fn is_running(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let guard = lock(slf, "manager")?;
-        let me = &*guard;
         let id = id_key(request_id_of(request_id)?)?;
-        Ok(me.core.tables.is_running(&id))
+        Ok(lock(slf, "manager")?.tables.is_running(&id))
     }
 
     /// The request's cached-block count, or None when it is not running.
@@ -675,9 +769,10 @@ impl PyUnitaryFullAttention {
         slf: &Bound<'_, Self>,
         request_id: &Bound<'_, PyAny>,
     ) -> PyResult<Option<usize>> {
-        let guard = lock(slf, "manager")?;
-        let me = &*guard;
         let id = id_key(request_id_of(request_id)?)?;
-        Ok(me.core.tables.get(&id).and_then(|r| r.num_cached))
+        Ok(lock(slf, "manager")?
+            .tables
+            .get(&id)
+            .and_then(|r| r.num_cached))
     }
 }

@@ -5,6 +5,9 @@
 
 use kvcore_core::events::{MetaRequest, StoredMeta};
 use kvcore_core::hash::BlockHash;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use kvcore_core::pool::retention::{Retention, DEFAULT_PRIORITY};
 use kvcore_core::pool::{BlockId, BlockPool, HashSource};
 use kvcore_core::PoolError;
@@ -17,7 +20,7 @@ use crate::args::{group_id_of, int_of, Flag, Int};
 use crate::errors::{error, invalid, to_pyerr, type_error, Error, Kind};
 use crate::events::{events_to_py, py_to_value, use_int_hashes};
 use crate::request::PyRequestCore;
-use crate::sync::{lock, lock_mut};
+use crate::sync::{lock, lock_mut, GilCell, Guarded};
 
 /// One block id of a pool of `num_blocks` blocks: `BlockIdError` for an int that names no
 /// block (of any size: the reference has no such block), `ArgumentTypeError` for a non-int.
@@ -224,7 +227,7 @@ fn sub_meta(
 }
 
 /// `getattr(obj, name, None)` that lets other errors through.
-fn get_opt<'py>(
+pub(crate) fn get_opt<'py>(
     py: Python<'py>,
     obj: &Bound<'py, PyAny>,
     name: &Bound<'py, pyo3::types::PyString>,
@@ -258,11 +261,26 @@ fn needs_extra_keys(py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<bool
 }
 
 /// The KV-cache block pool (SPEC §4). A block is its `int` id; block 0 is the null block.
-#[pyclass(module = "kvcore._native", name = "BlockPool")]
+#[pyclass(module = "kvcore._native", name = "BlockPool", frozen)]
 pub struct PyBlockPool {
+    state: GilCell<PoolState>,
+}
+
+impl Guarded for PyBlockPool {
+    type State = PoolState;
+    fn cell(&self) -> &GilCell<PoolState> {
+        &self.state
+    }
+}
+
+/// The state of a [`PyBlockPool`], held by one call at a time ([`crate::sync`]).
+pub struct PoolState {
     inner: BlockPool,
     /// The clock retention and pin deadlines are read from (`time.monotonic` when `None`).
     clock: Option<PyObject>,
+    /// Whether a retention or pin deadline may exist (shared with the managers of this pool,
+    /// which test it without borrowing the pool).
+    deadlines: Arc<AtomicBool>,
 }
 
 /// `kvcore._native.Retention`: a validated retention priority and time to live, the form in
@@ -429,7 +447,13 @@ impl PyBlockPool {
         let inner = py
             .allow_threads(|| BlockPool::new(n, enable_caching, hbs, enable_kv_cache_events))
             .map_err(Error::Pool)?;
-        Ok(Self { inner, clock: None })
+        Ok(Self {
+            state: GilCell::new(PoolState {
+                inner,
+                clock: None,
+                deadlines: Arc::new(AtomicBool::new(false)),
+            }),
+        })
     }
 
     /// Number of blocks, the null block included.
@@ -534,10 +558,12 @@ impl PyBlockPool {
         } else {
             0.0
         };
-        Ok(lock_mut(slf, "pool")?
-            .inner
+        let mut me = lock_mut(slf, "pool")?;
+        me.inner
             .free_blocks_retained(ids.iter().copied(), retention, now)
-            .map_err(Error::Pool)?)
+            .map_err(Error::Pool)?;
+        me.note_deadlines();
+        Ok(())
     }
 
     /// The clock deadlines are read from (kvcore extension): a callable returning seconds, or
@@ -599,10 +625,13 @@ impl PyBlockPool {
         let now = if ttl.is_some() { Self::now(slf)? } else { 0.0 };
         let views: Vec<(u32, &[BlockHash])> =
             groups.iter().map(|(g, h)| (*g, h.as_slice())).collect();
-        Ok(lock_mut(slf, "pool")?
+        let mut me = lock_mut(slf, "pool")?;
+        let counts = me
             .inner
             .pin_prefix(&views, ttl, now, max_pinned)
-            .map_err(Error::Pool)?)
+            .map_err(Error::Pool)?;
+        me.note_deadlines();
+        Ok(counts)
     }
 
     /// Releases the pins of the leading hashes of each `(group_id, hashes)` (kvcore
@@ -906,15 +935,16 @@ impl PyBlockPool {
         block_hash: &Bound<'_, PyAny>,
         kv_cache_group_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Vec<u32>>> {
-        // The group ids are read first (an iterator may run Python code).
+        // The group ids are taken from their iterable first (an iterator may run Python
+        // code); each is converted when the walk reaches it, as the reference reads them.
         let gids = kv_cache_group_ids
             .try_iter()?
-            .map(|g| group_id_of(&g?))
-            .collect::<PyResult<Vec<u32>>>()?;
+            .collect::<PyResult<Vec<Bound<'_, PyAny>>>>()?;
         let me = lock(slf, "pool")?;
         let mut hash: Option<Option<BlockHash>> = None;
         let mut out = Vec::new();
         for gid in gids {
+            let gid = group_id_of(&gid)?;
             let h = match hash {
                 Some(h) => h,
                 None => {
@@ -1122,7 +1152,21 @@ impl PyBlockPool {
         if me.inner.needs_expire(now) {
             me.inner.expire(now);
         }
+        me.note_deadlines();
         Ok(())
+    }
+}
+
+impl PoolState {
+    /// Records whether a deadline exists now (after a call that may add or remove one).
+    pub fn note_deadlines(&self) {
+        self.deadlines
+            .store(self.inner.next_expiry().is_finite(), Ordering::Relaxed);
+    }
+
+    /// The flag [`Self::note_deadlines`] keeps, for a manager of this pool.
+    pub fn deadline_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.deadlines)
     }
 
     /// The core pool, for other binding modules.

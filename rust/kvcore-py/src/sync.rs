@@ -1,48 +1,66 @@
 //! Serialising calls from many threads on one pool or manager.
 //!
-//! A kvcore object's state is borrowed for the duration of a call. Python can switch threads
-//! while a call runs Python code (a duck-typed request's property, an event's metadata, a
-//! collection's finalizer), and PyO3's own borrow check then refuses the other thread's call
-//! with `RuntimeError("Already borrowed")`. The methods of [`crate::pool::PyBlockPool`] and
-//! [`crate::manager::PyUnitaryFullAttention`] borrow through [`lock`] and [`lock_mut`]
-//! instead: a call that finds the object held by another thread waits for it with the GIL
-//! released, so calls from many threads are serialised and none fails. A call that finds the
-//! object held by its own thread is a re-entrant call (Python code run by the object's own
-//! call called back into it); it cannot wait for itself and raises `InvariantViolationError`
-//! at once.
+//! A kvcore object's state is held for the duration of a call. Python can switch threads while
+//! a call runs Python code (a duck-typed request's property, an event's metadata, a collection's
+//! finalizer), and a second thread's call on the same object must then neither fail (PyO3's own
+//! borrow check would raise `RuntimeError("Already borrowed")`) nor touch the state.
+//! [`crate::pool::PyBlockPool`] and [`crate::manager::PyUnitaryFullAttention`] therefore keep
+//! their state in a [`GilCell`] and every method holds it through [`lock`]: a call that finds it
+//! held by another thread waits with the GIL released until that call ends, so calls from many
+//! threads are serialised and none fails. A call that finds it held by its own thread is a
+//! re-entrant call (Python code run by the object's own call called back into it); it cannot
+//! wait for itself and raises `InvariantViolationError` at once.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell, RefMut};
 use std::ops::{Deref, DerefMut};
 
 use pyo3::prelude::*;
-use pyo3::{PyClass, PyRef, PyRefMut};
+use pyo3::PyClass;
 
 use crate::errors::{error, Kind};
 
-thread_local! {
-    /// The objects (by address) this thread holds a borrow of, innermost last.
-    static HELD: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+/// State that only the thread holding the GIL touches, one call at a time.
+pub struct GilCell<T> {
+    value: RefCell<T>,
+    /// The Python thread state of the call holding `value` (0 when none does).
+    owner: Cell<usize>,
 }
 
-fn key<T: PyClass>(obj: &Bound<'_, T>) -> usize {
-    obj.as_ptr() as usize
-}
+// SAFETY: a `GilCell` is only reached through a `Bound` (see `lock`), which proves that the
+// calling thread holds the GIL, and the GIL lets one thread run at a time, so the `RefCell` and
+// the `Cell` are never accessed by two threads at once. A thread that waits for the cell
+// releases the GIL only while it touches neither (`wait`). The value moves between threads
+// with the pool or manager that owns it, which needs `T: Send`. (kvcore's extension is built
+// for the limited API, which free-threaded CPython does not load, so there always is a GIL.)
+#[allow(unsafe_code)]
+unsafe impl<T: Send> Sync for GilCell<T> {}
 
-fn held_here(k: usize) -> bool {
-    HELD.with(|h| h.borrow().contains(&k))
-}
-
-fn enter(k: usize) {
-    HELD.with(|h| h.borrow_mut().push(k));
-}
-
-fn leave(k: usize) {
-    HELD.with(|h| {
-        let mut h = h.borrow_mut();
-        if let Some(i) = h.iter().rposition(|&x| x == k) {
-            h.remove(i);
+impl<T> GilCell<T> {
+    /// A cell holding `value`.
+    pub fn new(value: T) -> Self {
+        Self {
+            value: RefCell::new(value),
+            owner: Cell::new(0),
         }
-    });
+    }
+}
+
+/// A pyclass whose state lives in a [`GilCell`].
+pub trait Guarded {
+    /// The state.
+    type State;
+    /// The cell holding it.
+    fn cell(&self) -> &GilCell<Self::State>;
+}
+
+/// The calling thread's Python thread state, which names it while it holds the GIL.
+#[inline]
+fn current_thread(_py: Python<'_>) -> usize {
+    // SAFETY: `PyThreadState_Get` only reads the interpreter's current thread state, which is
+    // valid while the GIL is held; the `Python` token proves the caller holds it.
+    #[allow(unsafe_code)]
+    let tstate = unsafe { pyo3::ffi::PyThreadState_Get() };
+    tstate as usize
 }
 
 fn reentrant(what: &str) -> PyErr {
@@ -55,90 +73,68 @@ fn reentrant(what: &str) -> PyErr {
     )
 }
 
-/// Waits, with the GIL released, for another thread's call to finish.
-fn wait(py: Python<'_>) {
-    py.allow_threads(std::thread::yield_now);
+/// The state of a [`GilCell`], held by this call until dropped.
+pub struct Held<'a, T> {
+    value: RefMut<'a, T>,
+    owner: &'a Cell<usize>,
 }
 
-/// A shared borrow taken by [`lock`]; dereferences to the object.
-pub struct Held<'py, T: PyClass> {
-    guard: PyRef<'py, T>,
-    key: usize,
-}
-
-impl<T: PyClass> Deref for Held<'_, T> {
+impl<T> Deref for Held<'_, T> {
     type Target = T;
     fn deref(&self) -> &T {
-        &self.guard
+        &self.value
     }
 }
 
-impl<T: PyClass> Drop for Held<'_, T> {
-    fn drop(&mut self) {
-        leave(self.key);
-    }
-}
-
-/// A mutable borrow taken by [`lock_mut`]; dereferences to the object.
-pub struct HeldMut<'py, T: PyClass<Frozen = pyo3::pyclass::boolean_struct::False>> {
-    guard: PyRefMut<'py, T>,
-    key: usize,
-}
-
-impl<T: PyClass<Frozen = pyo3::pyclass::boolean_struct::False>> Deref for HeldMut<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.guard
-    }
-}
-
-impl<T: PyClass<Frozen = pyo3::pyclass::boolean_struct::False>> DerefMut for HeldMut<'_, T> {
+impl<T> DerefMut for Held<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
-        &mut self.guard
+        &mut self.value
     }
 }
 
-impl<T: PyClass<Frozen = pyo3::pyclass::boolean_struct::False>> Drop for HeldMut<'_, T> {
+impl<T> Drop for Held<'_, T> {
+    #[inline]
     fn drop(&mut self) {
-        leave(self.key);
+        self.owner.set(0);
     }
 }
 
-/// Borrows `obj` shared, waiting while another thread holds it mutably.
+/// Holds the state of `obj`, waiting (the GIL released) while another thread's call holds it.
 ///
 /// # Errors
-/// `InvariantViolationError` for a re-entrant call (this thread holds it mutably).
-pub fn lock<'py, T: PyClass>(obj: &Bound<'py, T>, what: &str) -> PyResult<Held<'py, T>> {
-    let k = key(obj);
+/// `InvariantViolationError` for a re-entrant call (this thread's call holds it).
+#[inline]
+pub fn lock<'a, T>(obj: &'a Bound<'_, T>, what: &str) -> PyResult<Held<'a, T::State>>
+where
+    T: PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Guarded + Sync,
+{
+    let py = obj.py();
+    let cell = obj.get().cell();
     loop {
-        if let Ok(guard) = obj.try_borrow() {
-            enter(k);
-            return Ok(Held { guard, key: k });
+        if let Ok(value) = cell.value.try_borrow_mut() {
+            cell.owner.set(current_thread(py));
+            return Ok(Held {
+                value,
+                owner: &cell.owner,
+            });
         }
-        if held_here(k) {
+        if cell.owner.get() == current_thread(py) {
             return Err(reentrant(what));
         }
-        wait(obj.py());
+        // Another thread's call holds it and has let the GIL go (it runs Python code): let it
+        // finish. Nothing of the cell is touched while the GIL is released.
+        py.allow_threads(std::thread::yield_now);
     }
 }
 
-/// Borrows `obj` mutably, waiting while another thread holds it.
+/// [`lock`]; the name says the caller changes the state.
 ///
 /// # Errors
-/// `InvariantViolationError` for a re-entrant call (this thread holds it).
-pub fn lock_mut<'py, T: PyClass<Frozen = pyo3::pyclass::boolean_struct::False>>(
-    obj: &Bound<'py, T>,
-    what: &str,
-) -> PyResult<HeldMut<'py, T>> {
-    let k = key(obj);
-    loop {
-        if let Ok(guard) = obj.try_borrow_mut() {
-            enter(k);
-            return Ok(HeldMut { guard, key: k });
-        }
-        if held_here(k) {
-            return Err(reentrant(what));
-        }
-        wait(obj.py());
-    }
+/// As [`lock`].
+#[inline]
+pub fn lock_mut<'a, T>(obj: &'a Bound<'_, T>, what: &str) -> PyResult<Held<'a, T::State>>
+where
+    T: PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Guarded + Sync,
+{
+    lock(obj, what)
 }
