@@ -674,9 +674,9 @@ def test_unpin_returns_blocks_to_the_tail_at_50(single: str) -> None:
 
 
 def test_unpin_part_of_a_pinned_prefix(single: str) -> None:
-    """unpin_prefix releases the leading hashes that have a pin, stopping at the first that
-    has none (CC-5): after the head of a pinned prefix is released, the rest stays pinned
-    until its time runs out or a reset."""
+    """unpin_prefix releases every pin on the cached leading blocks of the prefix (CC-5):
+    after the head of a pinned prefix is released, unpinning the whole prefix releases the
+    rest."""
     h = Harness(single, 11)
     mgr: Any = h.mgr
     h.free(h.run("a", tokens(1, 48)))
@@ -685,8 +685,8 @@ def test_unpin_part_of_a_pinned_prefix(single: str) -> None:
     assert mgr.unpin_prefix(tokens(1, 32)) == 2
     assert mgr.num_pinned_blocks == 1
     assert h.num_free() == 9
-    assert mgr.unpin_prefix(tokens(1, 48)) == 0  # its first hash has no pin
-    assert mgr.num_pinned_blocks == 1
+    assert mgr.unpin_prefix(tokens(1, 48)) == 1  # the third block's pin
+    assert mgr.num_pinned_blocks == 0 and h.num_free() == 10
     assert mgr.pin_prefix(tokens(1, 48)) == 3
     assert mgr.num_pinned_blocks == 3
     assert mgr.unpin_prefix(tokens(1, 48)) == 3

@@ -774,26 +774,27 @@ impl BlockPool {
         Ok(counts)
     }
 
-    /// Releases, per group, the pins of the leading hashes that have a pinned copy, stopping at
-    /// the first hash with none; a released block no one else holds joins the back of the
-    /// default level, still cached (kvcore extension). Returns, per group, how many leading
-    /// hashes were released.
+    /// Releases, per group, every pin on the cached copies of the leading hashes, walking them
+    /// as [`Self::pin_prefix`] does (up to the first hash with no cached copy); a released block
+    /// no one else holds joins the back of the default level, still cached (kvcore extension).
+    /// Returns, per group, how many of those hashes had a pin released.
     pub fn unpin_prefix(&mut self, groups: &[(u32, &[BlockHash])]) -> Vec<usize> {
         let mut counts = Vec::with_capacity(groups.len());
         for &(g, hashes) in groups {
             let mut n = 0;
             for h in hashes {
+                let copies = self.blocks_of(&BlockKey::new(*h, g));
+                if copies.is_empty() {
+                    break;
+                }
                 let mut released = false;
-                for b in self.blocks_of(&BlockKey::new(*h, g)) {
+                for b in copies {
                     if self.pins.remove(b) {
                         self.release_pinned(b);
                         released = true;
                     }
                 }
-                if !released {
-                    break;
-                }
-                n += 1;
+                n += usize::from(released);
             }
             counts.push(n);
         }

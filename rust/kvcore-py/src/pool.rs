@@ -496,12 +496,16 @@ impl PyBlockPool {
         BlockList { pool: slf }
     }
 
+    /// SPEC POOL-2, after any pin whose time ran out is released (kvcore extension).
     fn get_num_free_blocks(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Self::expire_flagged(slf)?;
         let me = lock(slf, "pool")?;
         Ok(me.inner.get_num_free_blocks())
     }
 
+    /// SPEC POOL-3, after any pin whose time ran out is released (kvcore extension).
     fn get_usage(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<PyObject> {
+        Self::expire_flagged(slf)?;
         let usage = lock(slf, "pool")?.inner.get_usage();
         Ok(match usage {
             Some(u) => u.into_pyobject(py)?.into_any().unbind(),
@@ -1138,6 +1142,19 @@ impl PyBlockPool {
             .filter(|v| !v.is_nan())
             .ok_or_else(|| invalid(format!("the clock must return seconds as a float, got {t}")))?;
         Ok(v)
+    }
+
+    /// [`Self::expire_due`] when the deadline flag says a deadline may exist (one load
+    /// otherwise).
+    fn expire_flagged(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let flagged = {
+            let me = lock(slf, "pool")?;
+            me.deadlines.load(Ordering::Relaxed)
+        };
+        if flagged {
+            Self::expire_due(slf)?;
+        }
+        Ok(())
     }
 
     /// [`Self::expire`]: reads the clock only when a deadline exists, then applies what is
