@@ -37,6 +37,7 @@ __all__ = [
     "hash_object",
     "hash_request_blocks",
     "msgpack_encode",
+    "register_extra_keys_fn",
 ]
 __version__: str
 
@@ -466,3 +467,6 @@ class AllBlocksCleared(KVCacheEvent):
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]: ...
+
+def register_extra_keys_fn(func: Callable[[Any, int, int, int], tuple[Any, int]]) -> None:
+    """Registers the extra-key function KV events use (``kvcore.hashing`` does, on import)."""

@@ -345,6 +345,9 @@ def generate_block_hash_extra_keys(
     return (tuple(keys) if keys else None), next_mm_idx
 
 
+_native.register_extra_keys_fn(generate_block_hash_extra_keys)
+
+
 def _may_have_extra_keys(request: Any) -> bool:
     """False only when every window's extra keys are certainly None (no per-window work)."""
     return bool(

@@ -40,7 +40,9 @@ mod _native {
     use pyo3::prelude::*;
 
     #[pymodule_export]
-    use super::pool::{BlockList, KVCacheBlockView, PyBlockPool, PyRetention};
+    use super::pool::{
+        register_extra_keys_fn, BlockList, KVCacheBlockView, PyBlockPool, PyRetention,
+    };
 
     #[pymodule_export]
     use super::manager::PyUnitaryFullAttention;

@@ -14,6 +14,7 @@ use kvcore_core::PoolError;
 use pyo3::exceptions::{PyAssertionError, PyIndexError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PySlice, PyTuple};
 
 use crate::args::{group_id_of, int_of, Flag, Int};
@@ -167,9 +168,10 @@ pub fn stored_meta(
     let needs_extra = needs_extra_keys(py, request)?;
     let mut extra = Vec::with_capacity(extra_ranges.len());
     if needs_extra {
-        let gen = py
-            .import("kvcore.hashing")?
-            .getattr("generate_block_hash_extra_keys")?;
+        let gen = EXTRA_KEYS.get(py).ok_or_else(|| {
+            invalid("no extra-key function is registered (import kvcore.hashing first)")
+        })?;
+        let gen = gen.bind(py);
         let mut mm_idx = first_mm_idx;
         for &(s, e) in extra_ranges {
             let out = gen.call1((request, s, e, mm_idx))?;
@@ -190,6 +192,25 @@ pub fn stored_meta(
         lora_name,
         extra_keys: (!extra.is_empty()).then_some(extra),
     })
+}
+
+/// The Python function that computes a block's extra keys (SPEC XK-1), which
+/// `kvcore.hashing` registers when it is imported: the bindings never import the package.
+static EXTRA_KEYS: GILOnceCell<PyObject> = GILOnceCell::new();
+
+/// Registers the extra-key function events use: `fn(request, start, end, start_mm_idx) ->
+/// (keys or None, next_mm_idx)`. The first registration stays.
+#[pyfunction]
+pub fn register_extra_keys_fn(py: Python<'_>, func: PyObject) -> PyResult<()> {
+    if !func.bind(py).is_callable() {
+        return Err(type_error(
+            "the extra-key function",
+            "callable",
+            func.bind(py),
+        ));
+    }
+    let _ = EXTRA_KEYS.set(py, func);
+    Ok(())
 }
 
 /// The part of `full` (the metadata of `full_range`, with one extra-key entry per range of
