@@ -190,6 +190,17 @@ class BlockPool:
         kv_cache_group_ids: Sequence[int],
         stride: int = 1,
     ) -> list[list[int]]: ...
+    def sliding_window_hit(
+        self,
+        block_hashes: Sequence[bytes],
+        max_num_blocks: int,
+        kv_cache_group_ids: Sequence[int],
+        need: int,
+        block_size: int,
+        alignment_tokens: int,
+        drop_eagle_block: bool,
+    ) -> list[list[int]]:
+        """The sliding-window hit search (SPEC SWA-3) in one call."""
     def evict_blocks(self, block_ids: Iterable[int]) -> None: ...
     def reset_prefix_cache(self) -> bool: ...
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...

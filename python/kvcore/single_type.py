@@ -100,6 +100,19 @@ class BlockPoolLike(Protocol):
         """Looks a hash up in every given group (POOL-4)."""
         ...
 
+    def sliding_window_hit(
+        self,
+        block_hashes: Sequence[bytes],
+        max_num_blocks: int,
+        kv_cache_group_ids: list[int],
+        need: int,
+        block_size: int,
+        alignment_tokens: int,
+        drop_eagle_block: bool,
+    ) -> list[list[int]]:
+        """The sliding-window hit search (SWA-3)."""
+        ...
+
     def get_num_free_blocks(self) -> int:
         """Free blocks (POOL-2)."""
         ...
@@ -674,43 +687,18 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             raise InvariantViolationError("sliding-window lookups need dcp == pcp == 1")
         bs = kv_cache_spec.block_size
         need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, bs, drop_eagle_block)
-        max_blocks = max_length // bs
-        null = block_pool.null_block
-        computed: HitBlocks = tuple([null] * max_blocks for _ in kv_cache_group_ids)
-        get_cached = block_pool.get_cached_block
-        run = 0
-        found = False
-        for i in range(max_blocks - 1, -1, -1):
-            hit = get_cached(block_hashes[i], kv_cache_group_ids)
-            if hit:
-                if run == 0 and bs != alignment_tokens:
-                    kept = i if drop_eagle_block else i + 1
-                    if kept * bs % alignment_tokens:
-                        continue
-                for c, b in zip(computed, hit, strict=False):
-                    c[i] = b
-                run += 1
-                if run >= need:
-                    for c in computed:
-                        del c[i + run :]
-                    found = True
-                    break
-            else:
-                run = 0
-        if not computed:
-            return computed
-        if not found:
-            for c in computed:
-                del c[run:]
-            if bs != alignment_tokens:
-                while len(computed[0]) * bs % alignment_tokens:
-                    _pop_all(computed)
-        if drop_eagle_block and computed[0]:
-            _pop_all(computed)
-            if bs != alignment_tokens:
-                while len(computed[0]) * bs % alignment_tokens:
-                    _pop_all(computed)
-        return computed
+        # The scan runs in the pool, in one call (BlockPool.sliding_window_hit).
+        return tuple(
+            block_pool.sliding_window_hit(
+                block_hashes,
+                max_length // bs,
+                kv_cache_group_ids,
+                need,
+                bs,
+                alignment_tokens,
+                drop_eagle_block,
+            )
+        )
 
     @classmethod
     def reachable_block_mask(

@@ -433,6 +433,84 @@ impl BlockPool {
         out
     }
 
+    /// The sliding-window hit search (SPEC SWA-3) in one call: scans the first `max_blocks`
+    /// hashes right to left for `need` consecutive blocks cached in every group, the run's end
+    /// aligned to `alignment` tokens, and returns per group the hit blocks (the null block
+    /// before the run). Without such a run it returns the leading run that was found, cut to
+    /// the alignment; with `drop_eagle` the last hit block is dropped (EAGLE-1). `hash_at(i)` reads
+    /// hash `i` (`None`: a hash no block can have, a miss).
+    ///
+    /// # Errors
+    /// What `hash_at` returns.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sliding_window_hit<E>(
+        &self,
+        max_blocks: usize,
+        hash_at: &mut dyn FnMut(usize) -> Result<Option<BlockHash>, E>,
+        group_ids: &[u32],
+        need: usize,
+        block_size: usize,
+        alignment: usize,
+        drop_eagle: bool,
+    ) -> Result<Vec<Vec<BlockId>>, E> {
+        let null = Self::null_block();
+        let mut computed: Vec<Vec<BlockId>> = vec![vec![null; max_blocks]; group_ids.len()];
+        if group_ids.is_empty() {
+            return Ok(computed);
+        }
+        let misaligned = |blocks: usize| !(blocks * block_size).is_multiple_of(alignment);
+        let mut run = 0usize;
+        let mut found = false;
+        for i in (0..max_blocks).rev() {
+            let hit = hash_at(i)?.and_then(|h| self.get_cached_block(&h, group_ids));
+            let Some(hit) = hit else {
+                run = 0;
+                continue;
+            };
+            if run == 0 && block_size != alignment {
+                let kept = if drop_eagle { i } else { i + 1 };
+                if misaligned(kept) {
+                    continue;
+                }
+            }
+            for (c, b) in computed.iter_mut().zip(hit) {
+                c[i] = b;
+            }
+            run += 1;
+            if run >= need {
+                for c in &mut computed {
+                    c.truncate(i + run);
+                }
+                found = true;
+                break;
+            }
+        }
+        let pop_all = |computed: &mut Vec<Vec<BlockId>>| {
+            for c in computed.iter_mut() {
+                c.pop();
+            }
+        };
+        if !found {
+            for c in &mut computed {
+                c.truncate(run);
+            }
+            if block_size != alignment {
+                while misaligned(computed[0].len()) {
+                    pop_all(&mut computed);
+                }
+            }
+        }
+        if drop_eagle && !computed[0].is_empty() {
+            pop_all(&mut computed);
+            if block_size != alignment {
+                while misaligned(computed[0].len()) {
+                    pop_all(&mut computed);
+                }
+            }
+        }
+        Ok(computed)
+    }
+
     /// [`Self::longest_cached_prefix`] for one group, looked up in chunks whose cache misses
     /// overlap: the chunk's index lines are prefetched together, then the blocks its tags point
     /// at, then those blocks' keys, and only then is each hit confirmed in order. Chunks start

@@ -1017,6 +1017,59 @@ impl PyBlockPool {
         cached_prefix(&me.inner, copied.as_any(), max, &kv_cache_group_ids, stride)
     }
 
+    /// The sliding-window hit search (SPEC SWA-3) in one call; see
+    /// `SlidingWindowManager.find_longest_cache_hit`.
+    #[pyo3(signature = (block_hashes, max_num_blocks, kv_cache_group_ids, need, block_size, alignment_tokens, drop_eagle_block))]
+    #[allow(clippy::too_many_arguments)]
+    fn sliding_window_hit(
+        slf: &Bound<'_, Self>,
+        block_hashes: &Bound<'_, PyAny>,
+        max_num_blocks: i64,
+        kv_cache_group_ids: Vec<u32>,
+        need: i64,
+        block_size: i64,
+        alignment_tokens: i64,
+        drop_eagle_block: bool,
+    ) -> PyResult<Vec<Vec<u32>>> {
+        let max = non_negative(max_num_blocks, "max_num_blocks")?;
+        let need = non_negative(need, "need")?;
+        let bs = usize::try_from(block_size)
+            .ok()
+            .filter(|&b| b > 0)
+            .ok_or_else(|| invalid("block_size must be positive"))?;
+        let alignment = non_negative(alignment_tokens, "alignment_tokens")?;
+        // A list or tuple is read under the hold (indexing one runs no Python code); any
+        // other sequence is copied first.
+        let hashes = if block_hashes.is_instance_of::<PyList>()
+            || block_hashes.is_instance_of::<PyTuple>()
+        {
+            block_hashes.clone()
+        } else {
+            PyList::new(
+                slf.py(),
+                block_hashes.try_iter()?.collect::<PyResult<Vec<_>>>()?,
+            )?
+            .into_any()
+        };
+        let mut hash_at = |i: usize| -> PyResult<Option<BlockHash>> {
+            let item = hashes.get_item(i)?;
+            let b = item
+                .downcast::<PyBytes>()
+                .map_err(|_| type_error("block_hash", "bytes", &item))?;
+            Ok(BlockHash::from_slice(b.as_bytes()))
+        };
+        let me = lock(slf, "pool")?;
+        me.inner.sliding_window_hit(
+            max,
+            &mut hash_at,
+            &kv_cache_group_ids,
+            need,
+            bs,
+            alignment,
+            drop_eagle_block,
+        )
+    }
+
     fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = extract_evict_ids(num_blocks(slf)?, block_ids)?;
         Ok(lock_mut(slf, "pool")?
