@@ -190,6 +190,15 @@ class BlockPool:
         kv_cache_group_ids: Sequence[int],
         stride: int = 1,
     ) -> list[list[int]]: ...
+    def last_aligned_hit(
+        self,
+        block_hashes: Sequence[bytes],
+        max_num_blocks: int,
+        kv_cache_group_ids: Sequence[int],
+        block_size: int,
+        alignment_tokens: int,
+    ) -> tuple[int, list[int]] | None:
+        """The Mamba hit search (SPEC MAMBA-2) in one call."""
     def sliding_window_hit(
         self,
         block_hashes: Sequence[bytes],

@@ -100,6 +100,17 @@ class BlockPoolLike(Protocol):
         """Looks a hash up in every given group (POOL-4)."""
         ...
 
+    def last_aligned_hit(
+        self,
+        block_hashes: Sequence[bytes],
+        max_num_blocks: int,
+        kv_cache_group_ids: list[int],
+        block_size: int,
+        alignment_tokens: int,
+    ) -> tuple[int, list[int]] | None:
+        """The Mamba hit search (MAMBA-2)."""
+        ...
+
     def sliding_window_hit(
         self,
         block_hashes: Sequence[bytes],
@@ -805,15 +816,11 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         max_blocks = max_length // bs
         start = (max_length // chunk * chunk) // bs if max_length > 0 else 0
         null = block_pool.null_block
-        computed: HitBlocks = tuple([null] * start for _ in kv_cache_group_ids)
-        get_cached = block_pool.get_cached_block
-        for i in range(start, max_blocks):
-            hit = get_cached(block_hashes[i], kv_cache_group_ids)
-            if not hit:
-                break
-            for c, b in zip(computed, hit, strict=False):
-                c.append(b)
-        return computed
+        # The forward scan from the chunk's first block runs in the pool, in one call.
+        hits = block_pool.longest_cached_prefix(
+            list(block_hashes[start:max_blocks]), max(max_blocks - start, 0), kv_cache_group_ids
+        )
+        return tuple([null] * start + h for h in hits)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the current chunk (CLA-2)."""
@@ -860,21 +867,16 @@ class MambaManager(SingleTypeKVCacheManager):
             raise InvariantViolationError("MambaManager serves Mamba specs only")
         if dcp_world_size != 1 or pcp_world_size != 1:
             raise InvariantViolationError("Mamba lookups need dcp == pcp == 1")
-        computed: HitBlocks = tuple([] for _ in kv_cache_group_ids)
         bs = kv_cache_spec.block_size
         null = block_pool.null_block
-        get_cached = block_pool.get_cached_block
-        for i in range(max_length // bs - 1, -1, -1):
-            hit = get_cached(block_hashes[i], kv_cache_group_ids)
-            if not hit:
-                continue
-            if bs != alignment_tokens and (i + 1) * bs % alignment_tokens:
-                continue
-            for c, b in zip(computed, hit, strict=False):
-                c.extend([null] * i)
-                c.append(b)
-            break
-        return computed
+        # The right-to-left scan runs in the pool, in one call.
+        found = block_pool.last_aligned_hit(
+            block_hashes, max_length // bs, kv_cache_group_ids, bs, alignment_tokens
+        )
+        if found is None:
+            return tuple([] for _ in kv_cache_group_ids)
+        i, hit = found
+        return tuple([null] * i + [b] for b in hit)
 
     @classmethod
     def reachable_block_mask(

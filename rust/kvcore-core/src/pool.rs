@@ -511,6 +511,34 @@ impl BlockPool {
         Ok(computed)
     }
 
+    /// The Mamba hit search (SPEC MAMBA-2) in one call: the last of the first `max_blocks`
+    /// hashes whose block ends on an `alignment`-token boundary and is cached in every group,
+    /// as its position and the block of each group. `hash_at(i)` reads hash `i` (`None`: a
+    /// miss).
+    ///
+    /// # Errors
+    /// What `hash_at` returns.
+    pub fn last_aligned_hit<E>(
+        &self,
+        max_blocks: usize,
+        hash_at: &mut dyn FnMut(usize) -> Result<Option<BlockHash>, E>,
+        group_ids: &[u32],
+        block_size: usize,
+        alignment: usize,
+    ) -> Result<Option<(usize, Vec<BlockId>)>, E> {
+        for i in (0..max_blocks).rev() {
+            if block_size != alignment && !((i + 1) * block_size).is_multiple_of(alignment) {
+                continue;
+            }
+            if let Some(hit) = hash_at(i)?.and_then(|h| self.get_cached_block(&h, group_ids)) {
+                if !hit.is_empty() {
+                    return Ok(Some((i, hit)));
+                }
+            }
+        }
+        Ok(None)
+    }
+
     /// [`Self::longest_cached_prefix`] for one group, looked up in chunks whose cache misses
     /// overlap: the chunk's index lines are prefetched together, then the blocks its tags point
     /// at, then those blocks' keys, and only then is each hit confirmed in order. Chunks start

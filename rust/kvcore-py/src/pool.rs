@@ -194,6 +194,26 @@ pub fn stored_meta(
     })
 }
 
+/// `obj` itself when it is a list or a tuple (indexing one runs no Python code, so it may be
+/// read while the pool is held), else a list copied from it.
+fn list_or_copy<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        return Ok(obj.clone());
+    }
+    let items = obj.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    Ok(PyList::new(obj.py(), items)?.into_any())
+}
+
+/// Entry `i` of a hash sequence as a lookup key: `None` for bytes no block can be stored
+/// under (a miss, as `get_cached_block` answers).
+fn read_hash(hashes: &Bound<'_, PyAny>, i: usize) -> PyResult<Option<BlockHash>> {
+    let item = hashes.get_item(i)?;
+    let b = item
+        .downcast::<PyBytes>()
+        .map_err(|_| type_error("block_hash", "bytes", &item))?;
+    Ok(BlockHash::from_slice(b.as_bytes()))
+}
+
 /// The Python function that computes a block's extra keys (SPEC XK-1), which
 /// `kvcore.hashing` registers when it is imported: the bindings never import the package.
 static EXTRA_KEYS: GILOnceCell<PyObject> = GILOnceCell::new();
@@ -1038,26 +1058,8 @@ impl PyBlockPool {
             .filter(|&b| b > 0)
             .ok_or_else(|| invalid("block_size must be positive"))?;
         let alignment = non_negative(alignment_tokens, "alignment_tokens")?;
-        // A list or tuple is read under the hold (indexing one runs no Python code); any
-        // other sequence is copied first.
-        let hashes = if block_hashes.is_instance_of::<PyList>()
-            || block_hashes.is_instance_of::<PyTuple>()
-        {
-            block_hashes.clone()
-        } else {
-            PyList::new(
-                slf.py(),
-                block_hashes.try_iter()?.collect::<PyResult<Vec<_>>>()?,
-            )?
-            .into_any()
-        };
-        let mut hash_at = |i: usize| -> PyResult<Option<BlockHash>> {
-            let item = hashes.get_item(i)?;
-            let b = item
-                .downcast::<PyBytes>()
-                .map_err(|_| type_error("block_hash", "bytes", &item))?;
-            Ok(BlockHash::from_slice(b.as_bytes()))
-        };
+        let hashes = list_or_copy(block_hashes)?;
+        let mut hash_at = |i: usize| read_hash(&hashes, i);
         let me = lock(slf, "pool")?;
         me.inner.sliding_window_hit(
             max,
@@ -1068,6 +1070,29 @@ impl PyBlockPool {
             alignment,
             drop_eagle_block,
         )
+    }
+
+    /// The Mamba hit search (SPEC MAMBA-2) in one call: `(position, blocks)` of the last
+    /// aligned hit, or None; see `MambaManager.find_longest_cache_hit`.
+    fn last_aligned_hit(
+        slf: &Bound<'_, Self>,
+        block_hashes: &Bound<'_, PyAny>,
+        max_num_blocks: i64,
+        kv_cache_group_ids: Vec<u32>,
+        block_size: i64,
+        alignment_tokens: i64,
+    ) -> PyResult<Option<(usize, Vec<u32>)>> {
+        let max = non_negative(max_num_blocks, "max_num_blocks")?;
+        let bs = usize::try_from(block_size)
+            .ok()
+            .filter(|&b| b > 0)
+            .ok_or_else(|| invalid("block_size must be positive"))?;
+        let alignment = non_negative(alignment_tokens, "alignment_tokens")?;
+        let hashes = list_or_copy(block_hashes)?;
+        let mut hash_at = |i: usize| read_hash(&hashes, i);
+        let me = lock(slf, "pool")?;
+        me.inner
+            .last_aligned_hit(max, &mut hash_at, &kv_cache_group_ids, bs, alignment)
     }
 
     fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {

@@ -622,3 +622,48 @@ fn block_ops_follow_allocation_touch_eviction_and_reset() {
         vec![BlockOp::Allocated(1), BlockOp::Allocated(2)]
     );
 }
+
+#[test]
+fn swa_3_sliding_window_hit_finds_the_last_run() {
+    let mut p = pool(10);
+    let hashes = [h(1), h(2), h(3), h(4), h(5)];
+    let blocks = p.get_new_blocks(5).unwrap();
+    cache(&mut p, &blocks, &hashes, 0, 0);
+    p.evict_blocks(&[i64::from(blocks[3])]).unwrap();
+    let mut at = |i: usize| -> Result<Option<BlockHash>, PoolError> { Ok(Some(hashes[i])) };
+    // A run of 2 ending at block 2 (block 3 missed, block 4 alone is too short).
+    let got = p
+        .sliding_window_hit(5, &mut at, &[0], 2, 16, 16, false)
+        .unwrap();
+    assert_eq!(got, vec![vec![0, blocks[1], blocks[2]]]);
+    // No run of 4: the leading run found from the right is kept (block 4 only reaches the end
+    // after a miss, so the scan ends with the run at the front: blocks 0..2 are a run of 3).
+    let got = p
+        .sliding_window_hit(5, &mut at, &[0], 4, 16, 16, false)
+        .unwrap();
+    assert_eq!(got, vec![blocks[..3].to_vec()]);
+    // EAGLE drops the last hit block.
+    let got = p
+        .sliding_window_hit(5, &mut at, &[0], 2, 16, 16, true)
+        .unwrap();
+    assert_eq!(got, vec![vec![0, blocks[1]]]);
+}
+
+#[test]
+fn mamba_2_last_aligned_hit() {
+    let mut p = pool(10);
+    let hashes = [h(1), h(2), h(3), h(4)];
+    let blocks = p.get_new_blocks(4).unwrap();
+    cache(&mut p, &blocks, &hashes, 0, 0);
+    let mut at = |i: usize| -> Result<Option<BlockHash>, PoolError> { Ok(Some(hashes[i])) };
+    assert_eq!(
+        p.last_aligned_hit(4, &mut at, &[0], 16, 16).unwrap(),
+        Some((3, vec![blocks[3]]))
+    );
+    // Only blocks ending on a 48-token boundary count: block 2.
+    assert_eq!(
+        p.last_aligned_hit(4, &mut at, &[0], 16, 48).unwrap(),
+        Some((2, vec![blocks[2]]))
+    );
+    assert_eq!(p.last_aligned_hit(4, &mut at, &[1], 16, 16).unwrap(), None);
+}
