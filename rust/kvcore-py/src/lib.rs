@@ -6,7 +6,9 @@
 //! duck-typed path of `manager.rs`), the request block hasher's window and parent handling and
 //! the choice between native and Python serialisation of hash inputs (`hashing.rs`), the
 //! conversion of core events into Python event objects (`events.rs`) and the msgpack walk over
-//! Python event objects (`msgpack.rs`). The module's whole Python surface is the declarative
+//! Python event objects (`msgpack.rs`). `sync.rs` serialises calls from many threads on one
+//! pool or manager. The bindings never import the Python package (`kvcore.hashing` registers
+//! the one Python function events need). The module's whole Python surface is the declarative
 //! `#[pymodule]` below and its stub `python/kvcore/_native.pyi`.
 
 use pyo3::prelude::*;
