@@ -591,10 +591,12 @@ impl BlockPool {
     fn eviction_mixes(&self, n: usize) -> Vec<u64> {
         let mut out = Vec::with_capacity(n);
         let mut b = self.queue_after(self.num_blocks as u32);
-        for _ in 0..n {
+        for i in 0..n {
             let slot = self.nodes[b as usize].primary_slot;
             out.push(self.primaries.get(slot as usize).map_or(0, |p| mix(&p.key)));
-            b = self.queue_after(b);
+            if i + 1 < n {
+                b = self.queue_after(b);
+            }
         }
         out
     }
@@ -736,7 +738,22 @@ impl BlockPool {
         let (_, tail) = self.sentinels(l);
         let last = self.nodes[tail as usize].prev;
         self.link_after(last, b);
-        self.levels |= 1 << l;
+        self.levels |= 1u128 << l;
+    }
+
+    /// Queues `blocks` at the back of level `l`, in order.
+    #[inline]
+    fn append_back(&mut self, l: usize, blocks: &[BlockId]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let (_, tail) = self.sentinels(l);
+        let mut last = self.nodes[tail as usize].prev;
+        for &b in blocks {
+            self.link_after(last, b);
+            last = b;
+        }
+        self.levels |= 1u128 << l;
     }
 
     /// The block at the front of the queue (the next to evict); the queue must not be empty.
@@ -750,28 +767,37 @@ impl BlockPool {
             if b != tail {
                 return b;
             }
-            self.levels &= !(1 << l);
+            self.levels &= !(1u128 << l);
         }
     }
 
     /// The queued block after `b` (a block or level 0's head) in eviction order, across
     /// levels; a tail sentinel when there is none.
+    #[inline]
     fn queue_after(&self, b: u32) -> u32 {
         let next = self.nodes[b as usize].next;
         if (next as usize) < self.num_blocks {
             return next;
         }
-        // `next` is the tail sentinel of level l: go on with the next level that holds blocks.
-        let mut l = (next as usize - self.num_blocks) / 2 + 1;
-        while l < NUM_LEVELS {
-            let (head, tail) = self.sentinels(l);
+        self.next_level_front(next)
+    }
+
+    /// [`Self::queue_after`] past the tail sentinel `tail` of a level: the front of the next
+    /// level that holds blocks (found through the level bitmap), or `tail` when none does.
+    #[cold]
+    fn next_level_front(&self, tail: u32) -> u32 {
+        let l = (tail as usize - self.num_blocks) / 2;
+        // Bits above l; a set bit may name a level found empty later (cleared lazily).
+        let mut rest = self.levels & !(u128::MAX >> (127 - l));
+        while rest != 0 {
+            let (head, t) = self.sentinels(rest.trailing_zeros() as usize);
             let first = self.nodes[head as usize].next;
-            if first != tail {
+            if first != t {
                 return first;
             }
-            l += 1;
+            rest &= rest - 1;
         }
-        next
+        tail
     }
 
     /// Takes `b` out of the queue, forgetting any retention deadline it had.
@@ -964,10 +990,25 @@ impl BlockPool {
         } else {
             Vec::new()
         };
+        // The level being emptied, as its sentinels: most pops take the next block of it.
+        let (mut head, mut tail) = (NIL, NIL);
+        let track = !self.deadlines.is_empty();
         for i in 0..n {
             self.prefetch_window(&mixes, i);
-            let b = self.queue_front();
-            self.dequeue(b);
+            let mut b = if head == NIL {
+                tail
+            } else {
+                self.nodes[head as usize].next
+            };
+            if b == tail {
+                b = self.queue_front();
+                let l = self.levels.trailing_zeros() as usize;
+                (head, tail) = self.sentinels(l);
+            }
+            self.unlink(b);
+            if track {
+                self.deadlines.remove(b);
+            }
             if self.enable_caching {
                 self.remove_keys(b);
             }
@@ -1066,10 +1107,7 @@ impl BlockPool {
             }
         }
         self.prepend_front(&without_hash);
-        let level = 1 + usize::from(retention.priority());
-        for &b in &with_hash {
-            self.link_back(level, b);
-        }
+        self.append_back(1 + usize::from(retention.priority()), &with_hash);
         if let Some(ttl) = retention.ttl_s() {
             for &b in &with_hash {
                 self.deadlines.add(b, now, ttl);
@@ -1086,7 +1124,7 @@ impl BlockPool {
             after = b;
         }
         if !blocks.is_empty() {
-            self.levels |= 1 << FRONT;
+            self.levels |= 1u128 << FRONT;
         }
     }
 
