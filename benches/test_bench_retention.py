@@ -1,8 +1,9 @@
 """What cache control costs (docs/behaviour.md §21): pool cycles and the scheduler loop with
 retention off and on, kvcore against the reference.
 
-The workloads are in ``retention_workload.py`` (shared with ``compare_instructions.py``, which
-counts their instructions under callgrind). With retention off kvcore runs the reference's
+The workloads are in ``retention_workload.py`` (the loop's harness in ``scheduler_loop.py``,
+shared with ``test_bench_manager.py``); ``compare_instructions.py`` counts their instructions
+under callgrind. With retention off kvcore runs the reference's
 plain LRU; with it on, frees carry retention priorities and times to live (a fake clock makes
 the deadlines run out during the run) and some blocks are pinned. The reference has no
 retention: its side of an "on" case is its plain LRU on the same trace.
@@ -43,6 +44,7 @@ from typing import Any
 
 import pytest
 import retention_workload as w
+import scheduler_loop as loop
 
 IMPLS = ["kvcore", "reference"]
 MODES = ["off", "on"]
@@ -227,18 +229,13 @@ def test_pool_pin(paired: Callable[..., Any]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _stats(us: list[float]) -> tuple[float, float]:
-    s = sorted(us)
-    return sum(s) / len(s), s[min(len(s) - 1, int(0.99 * len(s)))]
-
-
-def _loop_record(size: w.Size, names: list[str], res: list[w.LoopResult]) -> dict[str, Any]:
+def _loop_record(size: loop.Size, names: list[str], res: list[loop.RunResult]) -> dict[str, Any]:
     by = dict(zip(names, res, strict=True))
-    ref_mean, _ = _stats(by["reference"].step_us)
+    ref_mean, _ = loop.step_stats(by["reference"].step_us)
     ref_total = sum(by["reference"].step_us) / 1e6
     impls: dict[str, Any] = {}
     for name, r in by.items():
-        mean, p99 = _stats(r.step_us)
+        mean, p99 = loop.step_stats(r.step_us)
         total = sum(r.step_us) / 1e6
         impls[name] = {
             "mean_us": round(mean, 2),
@@ -258,24 +255,8 @@ def _loop_record(size: w.Size, names: list[str], res: list[w.LoopResult]) -> dic
         off, on = impls[f"kvcore-off{suffix}"], impls[f"kvcore-on{suffix}"]
         on["on_over_off_mean"] = round(on["mean_us"] / off["mean_us"], 3)
         on["on_over_off_total"] = round(on["total_s"] / off["total_s"], 3)
-    row = {
-        "requests": size.num_requests,
-        "num_blocks": size.num_blocks,
-        "max_num_seqs": size.max_num_seqs,
-        "max_num_batched_tokens": size.max_num_batched_tokens,
-        "scale": SCALE,
-        "impls": impls,
-    }
-    path = RESULTS / "retention_loop.json"
-    data: dict[str, Any] = {}
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-        except ValueError:
-            data = {}
-    data.setdefault("sizes", {})[size.name] = row
-    RESULTS.mkdir(exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    row = {**loop.size_fields(size, SCALE), "impls": impls}
+    loop.merge_results(RESULTS / "retention_loop.json", size, row)
     return row
 
 
@@ -310,17 +291,17 @@ def test_bench_retention_loop(
     pytest.importorskip("vllm.v1.core.kv_cache_manager")
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # every NONE_HASH from the same seed
     size = w.LOOP_SIZE.scaled(SCALE)
-    convs, systems = w.make_workload(size)
+    convs, systems = loop.make_workload(size)
     impls = [
-        w.reference_loop_impl(size),
+        loop.reference_impl(size),
         w.kvcore_loop_impl(size, retention=False, batch=False),
         w.kvcore_loop_impl(size, retention=True, batch=False, systems=systems),
         w.kvcore_loop_impl(size, retention=False, batch=True),
         w.kvcore_loop_impl(size, retention=True, batch=True, systems=systems),
     ]
-    holder: list[list[w.LoopResult]] = []
+    holder: list[list[loop.RunResult]] = []
     benchmark.pedantic(
-        lambda: holder.append(w.run_lockstep(impls, size, convs)), rounds=1, iterations=1
+        lambda: holder.append(loop.run_lockstep(impls, size, convs)), rounds=1, iterations=1
     )
     names = [i.name for i in impls]
     res = dict(zip(names, holder[0], strict=True))
