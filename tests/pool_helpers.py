@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,3 +243,14 @@ def assert_same_state(a: kvcore.BlockPool, b: kvcore.BlockPool, keys: Iterable[b
     keys = list(keys)
     assert lookups(a, keys) == lookups(b, keys)
     assert [event_fields(e) for e in a.take_events()] == [event_fields(e) for e in b.take_events()]
+
+
+@contextmanager
+def tiny_switch_interval() -> Iterator[None]:
+    """Makes the interpreter switch threads as often as it can, to force interleavings."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)

@@ -15,36 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from kvcore import cli
+from cli_helpers import refuse_work, run_main
 
 DATA = Path(__file__).parent / "data"
 GOOD_TRACE = str(DATA / "trace_good.jsonl")
 
 
-class WorkStarted(AssertionError):
-    """Raised by the stand-ins of the work: the error should have come before."""
-
-
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Makes building a backend or a simulator fail the test."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise WorkStarted("work started before the mistake was reported")
-
-    monkeypatch.setattr(cli, "make_backend", refuse)
-    monkeypatch.setattr(cli, "Simulator", refuse)
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Runs ``kvcore ARGV`` in-process; returns the exit status, stdout and stderr."""
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as exc:
-        rc = int(exc.code) if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
+    refuse_work(monkeypatch)
 
 
 def check_one_line(rc: int, out: str, err: str, prefix: str, *fragments: str) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import refuse_work, run_main
 
 from kvcore import cli
 from kvcore.simulate.backends import KvcoreBackend, ManagerSettings, make_backend, model_preset
@@ -40,29 +41,10 @@ SMALL = ["--requests", "60", "--num-blocks", "600", "--max-model-len", "4096", "
 MANY_PROMPTS = [*SMALL, "--system-prompts", "16", "--system-prompt-skew", "1"]
 
 
-class WorkStarted(AssertionError):
-    """Raised by the stand-ins of the work: the error should have come before."""
-
-
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Makes building a backend or a simulator fail the test."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise WorkStarted("work started before the mistake was reported")
-
-    monkeypatch.setattr(cli, "make_backend", refuse)
-    monkeypatch.setattr(cli, "Simulator", refuse)
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Runs ``kvcore ARGV`` in-process; returns the exit status, stdout and stderr."""
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as exc:
-        rc = int(exc.code) if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
+    refuse_work(monkeypatch)
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:

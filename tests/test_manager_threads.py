@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import multiprocessing
 import random
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from pool_helpers import tiny_switch_interval
 
 from kvcore import (
     FullAttentionSpec,
@@ -46,12 +46,10 @@ def busy_cpu_and_tiny_switch_interval() -> Iterator[None]:
     """A busy-loop process beside the test, and thread switches as often as possible."""
     spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
     spinner.start()
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
     try:
-        yield
+        with tiny_switch_interval():
+            yield
     finally:
-        sys.setswitchinterval(old)
         spinner.terminate()
         spinner.join()
 

@@ -16,14 +16,12 @@ switch in the middle of a call can never make another thread's call fail. The te
 from __future__ import annotations
 
 import random
-import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
-from pool_helpers import LoRARequest, PoolRequest
+from pool_helpers import LoRARequest, PoolRequest, tiny_switch_interval
 
 from kvcore import BlockPool, NoFreeBlocksError
 
@@ -31,16 +29,6 @@ T = TypeVar("T")
 
 NUM_THREADS = 6
 ROUNDS = 150
-
-
-@contextmanager
-def tiny_switch_interval() -> Iterator[None]:
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 class Worker:

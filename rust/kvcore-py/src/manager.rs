@@ -19,8 +19,8 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use crate::args::{count_of, id_key, request_id_of, Count, Flag};
 use crate::errors::{invalid, to_pyerr, Error};
 use crate::pool::{
-    cached_prefix, extract_ids, get_opt, request_retention, stored_meta, to_hash, PyBlockPool,
-    PyRetention,
+    cached_prefix, extract_ids, get_opt, list_or_copy, request_retention, stored_meta, to_hash,
+    PyBlockPool, PyRetention,
 };
 use crate::request::{prefetch_ahead, CoreCast};
 use crate::sync::{lock, lock_mut, GilCell, Guarded};
@@ -28,16 +28,6 @@ use crate::sync::{lock, lock_mut, GilCell, Guarded};
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
 const WAITING: i64 = 1;
 const PREEMPTED: i64 = 6;
-
-/// `obj` itself when it is a list or a tuple (indexing those runs no Python code), else a
-/// list copied from it: sequences the core reads while the tables are held.
-fn listed(obj: Bound<'_, PyAny>) -> PyResult<Bound<'_, PyAny>> {
-    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-        return Ok(obj);
-    }
-    let items = obj.try_iter()?.collect::<PyResult<Vec<_>>>()?;
-    Ok(PyList::new(obj.py(), items)?.into_any())
-}
 
 /// Whether an allocation may take a request past a block boundary, so that it caches a block
 /// (an upper bound: blocks left uncached by an earlier call are not counted).
@@ -266,7 +256,7 @@ impl PyUnitaryFullAttention {
             if let Some(h) = hashes_obj.get() {
                 return Ok(h);
             }
-            let h = listed(request.getattr(intern!(py, "block_hashes"))?)?;
+            let h = list_or_copy(&request.getattr(intern!(py, "block_hashes"))?)?;
             Ok(hashes_obj.get_or_init(|| h))
         };
         let mut hash_len = || -> Result<usize, Error> {
@@ -455,7 +445,9 @@ impl PyUnitaryFullAttention {
         let mirror = request_core.as_ref().and_then(|c| c.mirrored_hashes(py));
         let hashes = match mirror {
             Some(_) => None,
-            None => Some(listed(request.getattr(intern!(py, "block_hashes"))?)?),
+            None => Some(list_or_copy(
+                &request.getattr(intern!(py, "block_hashes"))?,
+            )?),
         };
         let (mut hit, use_eagle, bs) = {
             let core = lock(slf, "manager")?;
@@ -716,7 +708,7 @@ impl PyUnitaryFullAttention {
         let n = count_of(num_computed_tokens, "num_computed_tokens")?;
         let id_obj = Self::request_id(request)?;
         let id = id_key(&id_obj)?;
-        let hashes = listed(request.getattr(intern!(py, "block_hashes"))?)?;
+        let hashes = list_or_copy(&request.getattr(intern!(py, "block_hashes"))?)?;
         let mut core = lock_mut(slf, "manager")?;
         // Refused before the core looks the request up (which creates its entry): a request
         // must hold the blocks it caches (the reference fails on the missing blocks with

@@ -194,9 +194,17 @@ pub fn stored_meta(
     })
 }
 
+/// A positive count.
+fn positive(v: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(v)
+        .ok()
+        .filter(|&b| b > 0)
+        .ok_or_else(|| invalid(format!("{what} must be positive, got {v}")))
+}
+
 /// `obj` itself when it is a list or a tuple (indexing one runs no Python code, so it may be
-/// read while the pool is held), else a list copied from it.
-fn list_or_copy<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+/// read while the pool or a manager is held), else a list copied from it.
+pub(crate) fn list_or_copy<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
         return Ok(obj.clone());
     }
@@ -1053,10 +1061,7 @@ impl PyBlockPool {
     ) -> PyResult<Vec<Vec<u32>>> {
         let max = non_negative(max_num_blocks, "max_num_blocks")?;
         let need = non_negative(need, "need")?;
-        let bs = usize::try_from(block_size)
-            .ok()
-            .filter(|&b| b > 0)
-            .ok_or_else(|| invalid("block_size must be positive"))?;
+        let bs = positive(block_size, "block_size")?;
         let alignment = non_negative(alignment_tokens, "alignment_tokens")?;
         let hashes = list_or_copy(block_hashes)?;
         let mut hash_at = |i: usize| read_hash(&hashes, i);
@@ -1083,10 +1088,7 @@ impl PyBlockPool {
         alignment_tokens: i64,
     ) -> PyResult<Option<(usize, Vec<u32>)>> {
         let max = non_negative(max_num_blocks, "max_num_blocks")?;
-        let bs = usize::try_from(block_size)
-            .ok()
-            .filter(|&b| b > 0)
-            .ok_or_else(|| invalid("block_size must be positive"))?;
+        let bs = positive(block_size, "block_size")?;
         let alignment = non_negative(alignment_tokens, "alignment_tokens")?;
         let hashes = list_or_copy(block_hashes)?;
         let mut hash_at = |i: usize| read_hash(&hashes, i);
