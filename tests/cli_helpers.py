@@ -29,3 +29,14 @@ def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, 
         rc = int(exc.code) if isinstance(exc.code, int) else 1
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+def check_one_line(rc: int, out: str, err: str, prefix: str, *fragments: str) -> None:
+    """Exit 2, nothing on stdout, one line on stderr starting with ``prefix``."""
+    assert rc == 2, err
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith(prefix), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)

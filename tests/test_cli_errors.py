@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_helpers import refuse_work, run_main
+from cli_helpers import check_one_line, refuse_work, run_main
 
 DATA = Path(__file__).parent / "data"
 GOOD_TRACE = str(DATA / "trace_good.jsonl")
@@ -25,17 +25,6 @@ GOOD_TRACE = str(DATA / "trace_good.jsonl")
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Makes building a backend or a simulator fail the test."""
     refuse_work(monkeypatch)
-
-
-def check_one_line(rc: int, out: str, err: str, prefix: str, *fragments: str) -> None:
-    """Exit 2, nothing on stdout, one line on stderr starting with ``prefix``."""
-    assert rc == 2, err
-    assert out == ""
-    assert err.endswith("\n") and err.count("\n") == 1, err
-    assert err.startswith(prefix), err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in err, (fragment, err)
 
 
 @pytest.mark.usefixtures("no_work")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_helpers import refuse_work, run_main
+from cli_helpers import check_one_line, refuse_work, run_main
 
 from kvcore import cli
 from kvcore.simulate.backends import KvcoreBackend, ManagerSettings, make_backend, model_preset
@@ -53,17 +53,6 @@ def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     assert rc == 0, err
     obj: dict[str, Any] = json.loads(out)
     return obj
-
-
-def check_one_line(rc: int, out: str, err: str, prefix: str, *fragments: str) -> None:
-    """Exit 2, nothing on stdout, one line on stderr starting with ``prefix``."""
-    assert rc == 2, err
-    assert out == ""
-    assert err.endswith("\n") and err.count("\n") == 1, err
-    assert err.startswith(prefix), err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in err, (fragment, err)
 
 
 # --------------------------------------------------------------------------------------------
