@@ -16,8 +16,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import hypothesis.strategies as st
@@ -26,6 +24,7 @@ from fuzz_values import request_ids, token_values
 
 import kvcore
 from kvcore import hashing
+from kvcore.hashing import python_hash_seed
 
 __all__ = [
     "HASH_NAMES",
@@ -39,18 +38,9 @@ __all__ = [
 HASH_NAMES = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
-@contextlib.contextmanager
-def hash_seed(seed: str = "0") -> Iterator[None]:
+def hash_seed(seed: str = "0") -> contextlib.AbstractContextManager[None]:
     """Sets ``PYTHONHASHSEED`` (both ``init_none_hash`` read it when called)."""
-    old = os.environ.get("PYTHONHASHSEED")
-    os.environ["PYTHONHASHSEED"] = seed
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["PYTHONHASHSEED"]
-        else:
-            os.environ["PYTHONHASHSEED"] = old
+    return python_hash_seed(seed)
 
 
 def token_deviation(tokens: Any) -> str | None:

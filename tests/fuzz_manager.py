@@ -32,70 +32,31 @@ from kvcore.manager import KVCacheManager
 __all__ = ["MANAGER_CONFIGS", "ManagerFuzzer", "manager_programs"]
 
 _F4 = GroupDesc("full", 4)
+
+
+def _config(name: str, groups: tuple[GroupDesc, ...], **kw: Any) -> TraceConfig:
+    """A small configuration of 4-token blocks without hash extras."""
+    kw.setdefault("num_blocks", 10)
+    kw.setdefault("max_model_len", 48)
+    return TraceConfig(name, groups, scheduler_block_size=4, hash_block_size=4, salt=False, **kw)
+
+
 MANAGER_CONFIGS: dict[str, tuple[TraceConfig, bool]] = {
     # name: (configuration, kvcore's native single-group path)
-    "native-full": (
-        TraceConfig(
-            "native-full",
-            (_F4,),
-            num_blocks=10,
-            max_model_len=48,
-            scheduler_block_size=4,
-            hash_block_size=4,
-            salt=False,
-        ),
-        True,
-    ),
+    "native-full": (_config("native-full", (_F4,)), True),
     "native-full-wm": (
-        TraceConfig(
-            "native-full-wm",
-            (_F4,),
-            num_blocks=12,
-            max_model_len=40,
-            scheduler_block_size=4,
-            hash_block_size=4,
-            watermark=0.2,
-            use_eagle=True,
-            salt=False,
+        _config(
+            "native-full-wm", (_F4,), num_blocks=12, max_model_len=40, watermark=0.2, use_eagle=True
         ),
         True,
     ),
-    "python-full": (
-        TraceConfig(
-            "python-full",
-            (_F4,),
-            num_blocks=10,
-            max_model_len=48,
-            scheduler_block_size=4,
-            hash_block_size=4,
-            salt=False,
-        ),
-        False,
-    ),
+    "python-full": (_config("python-full", (_F4,)), False),
     "native-nocache": (
-        TraceConfig(
-            "native-nocache",
-            (_F4,),
-            num_blocks=8,
-            max_model_len=48,
-            scheduler_block_size=4,
-            hash_block_size=4,
-            enable_caching=False,
-            events=False,
-            salt=False,
-        ),
+        _config("native-nocache", (_F4,), num_blocks=8, enable_caching=False, events=False),
         True,
     ),
     "python-hybrid": (
-        TraceConfig(
-            "python-hybrid",
-            (_F4, GroupDesc("swa", 4, window=8)),
-            num_blocks=16,
-            max_model_len=48,
-            scheduler_block_size=4,
-            hash_block_size=4,
-            salt=False,
-        ),
+        _config("python-hybrid", (_F4, GroupDesc("swa", 4, window=8)), num_blocks=16),
         False,
     ),
 }

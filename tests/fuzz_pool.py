@@ -96,6 +96,14 @@ def _request_specs() -> st.SearchStrategy[tuple[Any, ...]]:
 def pool_programs(n: int) -> st.SearchStrategy[list[tuple[Any, ...]]]:
     """A sequence of pool calls over a pool of ``n`` blocks."""
     ids = id_lists(n)
+    cache_natural = st.tuples(
+        st.just("cache_natural"),
+        st.integers(0, 2),
+        st.integers(0, 7),
+        st.sampled_from((1, 1, 2, 3)),
+        st.integers(0, 1),
+        st.integers(0, 2),
+    )
     op = st.one_of(
         st.tuples(
             st.just("get_new_blocks"), st.one_of(counts(n + 2), st.builds(Free, st.integers(-1, 1)))
@@ -125,22 +133,8 @@ def pool_programs(n: int) -> st.SearchStrategy[list[tuple[Any, ...]]]:
                 st.lists(st.sampled_from((0, 1, None, "x")), max_size=4),
             ),
         ),
-        st.tuples(
-            st.just("cache_natural"),
-            st.integers(0, 2),
-            st.integers(0, 7),
-            st.sampled_from((1, 1, 2, 3)),
-            st.integers(0, 1),
-            st.integers(0, 2),
-        ),
-        st.tuples(
-            st.just("cache_natural"),
-            st.integers(0, 2),
-            st.integers(0, 7),
-            st.sampled_from((1, 1, 2, 3)),
-            st.integers(0, 1),
-            st.integers(0, 2),
-        ),
+        cache_natural,
+        cache_natural,  # twice: drawn twice as often
         st.tuples(
             st.just("cache_partial_block"),
             st.integers(0, 2),

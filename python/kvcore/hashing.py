@@ -43,6 +43,7 @@ __all__ = [
     "hash_block_tokens",
     "init_none_hash",
     "need_extra_keys",
+    "python_hash_seed",
     "sha256",
     "sha256_cbor",
     "xxhash",
@@ -175,6 +176,25 @@ def get_hash_fn_by_name(hash_fn_name: str) -> HashFunction:
 
 NONE_HASH: BlockHash
 """The parent hash of every first block; set by :func:`init_none_hash` (SPEC HASH-10)."""
+
+
+@contextlib.contextmanager
+def python_hash_seed(value: str) -> Iterator[None]:
+    """Sets ``PYTHONHASHSEED`` for the duration of the block (``init_none_hash`` reads it when
+    called, so the NONE_HASH of the CBOR functions becomes reproducible); restores it after.
+
+    Args:
+        value: The seed, as the environment variable's text.
+    """
+    old = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = old
 
 
 def init_none_hash(hash_fn: HashFunction) -> None:

@@ -12,13 +12,14 @@ the reference (and torch) when it is built.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, redirect_stdout
+from collections.abc import Callable
+from contextlib import redirect_stdout
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from kvcore.hashing import python_hash_seed
 
 GroupKind = Literal["full", "swa", "mamba"]
 
@@ -123,20 +124,6 @@ class ManagerSettings:
     watermark: float = 0.0
     hash_name: str = "sha256"
     hash_seed: str = "0"
-
-
-@contextmanager
-def _pythonhashseed(value: str) -> Iterator[None]:
-    """Sets ``PYTHONHASHSEED`` in ``os.environ`` for the duration of the block."""
-    old = os.environ.get("PYTHONHASHSEED")
-    os.environ["PYTHONHASHSEED"] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["PYTHONHASHSEED"]
-        else:
-            os.environ["PYTHONHASHSEED"] = old
 
 
 class Backend(ABC):
@@ -252,7 +239,7 @@ class KvcoreBackend(Backend):
         from kvcore import config, manager, specs
 
         hash_fn = self._hashing.get_hash_fn_by_name(settings.hash_name)
-        with _pythonhashseed(settings.hash_seed):
+        with python_hash_seed(settings.hash_seed):
             self._hashing.init_none_hash(hash_fn)
         bs = model.block_size
         self._hasher = self._hashing.get_request_block_hasher(bs, hash_fn)
@@ -377,7 +364,7 @@ class ReferenceBackend(Backend):
         if clock is not None:
             raise ValueError("the reference has no pins or retention priorities (kvcore only)")
         hash_fn = self._hashing.get_hash_fn_by_name(settings.hash_name)
-        with _pythonhashseed(settings.hash_seed):
+        with python_hash_seed(settings.hash_seed):
             self._utils.init_none_hash(hash_fn)
         bs = model.block_size
         self._hasher = self._utils.get_request_block_hasher(bs, hash_fn)

@@ -23,7 +23,7 @@ use crate::pool::{
     PyBlockPool, PyRetention,
 };
 use crate::request::{prefetch_ahead, CoreCast};
-use crate::sync::{lock, lock_mut, GilCell, Guarded};
+use crate::sync::{lock, GilCell, Guarded};
 
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
 const WAITING: i64 = 1;
@@ -292,7 +292,7 @@ impl PyUnitaryFullAttention {
         if request_core.is_none() && self.caching && !args.delay_cache_blocks {
             fetch()?;
         }
-        let mut core = lock_mut(slf, "manager")?;
+        let mut core = lock(slf, "manager")?;
         if let Some((list, i)) = next {
             let tables = &core.tables;
             prefetch_ahead(list, i, &self.cast, |c| {
@@ -324,7 +324,7 @@ impl PyUnitaryFullAttention {
                 }
             }
         }
-        let mut pool = lock_mut(self.pool.bind(py), "pool")?;
+        let mut pool = lock(self.pool.bind(py), "pool")?;
         self.check_external_fits(&core, pool.core(), &view, &args)?;
         let res = core.allocate_slots::<Error>(
             pool.core_mut(),
@@ -628,8 +628,8 @@ impl PyUnitaryFullAttention {
         } else {
             0.0
         };
-        let mut core = lock_mut(slf, "manager")?;
-        let mut pool = lock_mut(slf.get().pool.bind(py), "pool")?;
+        let mut core = lock(slf, "manager")?;
+        let mut pool = lock(slf.get().pool.bind(py), "pool")?;
         Ok(core
             .tables
             .free_retained(pool.core_mut(), &id_key(&id)?, retention, now)
@@ -644,7 +644,7 @@ impl PyUnitaryFullAttention {
     ) -> PyResult<Vec<BlockId>> {
         let id = Self::request_id(request)?;
         let key = id_key(&id)?;
-        Ok(lock_mut(slf, "manager")?.tables.pop(&key))
+        Ok(lock(slf, "manager")?.tables.pop(&key))
     }
 
     /// SPEC MGR-25.
@@ -691,7 +691,7 @@ impl PyUnitaryFullAttention {
         request_id: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<usize>> {
         let id = id_key(request_id_of(request_id)?)?;
-        let mut core = lock_mut(slf, "manager")?;
+        let mut core = lock(slf, "manager")?;
         let pool = lock(slf.get().pool.bind(py), "pool")?;
         Ok(vec![core
             .tables
@@ -709,7 +709,7 @@ impl PyUnitaryFullAttention {
         let id_obj = Self::request_id(request)?;
         let id = id_key(&id_obj)?;
         let hashes = list_or_copy(&request.getattr(intern!(py, "block_hashes"))?)?;
-        let mut core = lock_mut(slf, "manager")?;
+        let mut core = lock(slf, "manager")?;
         // Refused before the core looks the request up (which creates its entry): a request
         // must hold the blocks it caches (the reference fails on the missing blocks with
         // IndexError when events are on, and caches nothing for them otherwise).
@@ -727,7 +727,7 @@ impl PyUnitaryFullAttention {
         let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
             Ok(stored_meta(py, request, req)?)
         };
-        let mut pool = lock_mut(slf.get().pool.bind(py), "pool")?;
+        let mut pool = lock(slf.get().pool.bind(py), "pool")?;
         Ok(core.tables.cache_blocks::<Error>(
             pool.core_mut(),
             &id,
@@ -742,7 +742,7 @@ impl PyUnitaryFullAttention {
 
     /// SPEC MGR-29.
     fn take_new_block_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<BlockId>> {
-        Ok(lock_mut(slf, "manager")?.tables.take_new_block_ids())
+        Ok(lock(slf, "manager")?.tables.take_new_block_ids())
     }
 
     /// Number of requests with a block-table entry (`len(req_to_blocks)`).

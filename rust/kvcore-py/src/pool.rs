@@ -21,7 +21,7 @@ use crate::args::{group_id_of, int_of, Flag, Int};
 use crate::errors::{error, invalid, to_pyerr, type_error, Error, Kind};
 use crate::events::{events_to_py, py_to_value, use_int_hashes};
 use crate::request::PyRequestCore;
-use crate::sync::{lock, lock_mut, GilCell, Guarded};
+use crate::sync::{lock, GilCell, Guarded};
 
 /// One block id of a pool of `num_blocks` blocks: `BlockIdError` for an int that names no
 /// block (of any size: the reference has no such block), `ArgumentTypeError` for a non-int.
@@ -401,17 +401,21 @@ pub(crate) fn retention_of(
             _ => i64::MAX,
         },
     };
-    let ttl = match ttl_s.filter(|t| !t.is_none()) {
-        None => None,
-        Some(t) if t.is_instance_of::<PyBool>() => {
-            return Err(type_error("retention_ttl_s", "a number of seconds", t))
-        }
-        Some(t) => Some(
-            t.extract::<f64>()
-                .map_err(|_| type_error("retention_ttl_s", "a number of seconds", t))?,
-        ),
-    };
+    let ttl = seconds_of(ttl_s, "retention_ttl_s")?;
     Ok(Retention::new(priority, ttl).map_err(Error::Pool)?)
+}
+
+/// Reads an optional time to live: None, or a real number of seconds (not a bool). Its range
+/// is the core's to check.
+fn seconds_of(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<f64>> {
+    match obj.filter(|t| !t.is_none()) {
+        None => Ok(None),
+        Some(t) if t.is_instance_of::<PyBool>() => Err(type_error(what, "a number of seconds", t)),
+        Some(t) => t
+            .extract::<f64>()
+            .map(Some)
+            .map_err(|_| type_error(what, "a number of seconds", t)),
+    }
 }
 
 /// Reads a request's retention from its `retention_priority` and `retention_ttl_s`
@@ -566,7 +570,7 @@ impl PyBlockPool {
     // Python object: allocating one can run a collection, whose finalizers can switch threads,
     // and another thread must then find the pool free.
     fn get_new_blocks(slf: &Bound<'_, Self>, num_blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        let mut me = lock_mut(slf, "pool")?;
+        let mut me = lock(slf, "pool")?;
         let free = me.inner.get_num_free_blocks();
         let n = match int_of(num_blocks, "num_blocks")? {
             Int::V(v) if v < 0 => return Err(to_pyerr(PoolError::NegativeCount(v))),
@@ -590,10 +594,7 @@ impl PyBlockPool {
 
     fn touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = extract_ids(num_blocks(slf)?, blocks)?;
-        Ok(lock_mut(slf, "pool")?
-            .inner
-            .touch(&ids)
-            .map_err(Error::Pool)?)
+        Ok(lock(slf, "pool")?.inner.touch(&ids).map_err(Error::Pool)?)
     }
 
     /// SPEC POOL-10; `retention` (kvcore extension) places the cached blocks by priority and
@@ -611,7 +612,7 @@ impl PyBlockPool {
         } else {
             0.0
         };
-        let mut me = lock_mut(slf, "pool")?;
+        let mut me = lock(slf, "pool")?;
         me.inner
             .free_blocks_retained(ids.iter().copied(), retention, now)
             .map_err(Error::Pool)?;
@@ -629,7 +630,7 @@ impl PyBlockPool {
 
     #[setter]
     fn set_clock(slf: &Bound<'_, Self>, clock: Option<PyObject>) -> PyResult<()> {
-        let mut me = lock_mut(slf, "pool")?;
+        let mut me = lock(slf, "pool")?;
         me.clock = clock;
         Ok(())
     }
@@ -644,7 +645,7 @@ impl PyBlockPool {
 
     #[setter]
     fn set_exact_router_events(slf: &Bound<'_, Self>, on: Flag) -> PyResult<()> {
-        let mut me = lock_mut(slf, "pool")?;
+        let mut me = lock(slf, "pool")?;
         me.inner.set_exact_router_events(on.0);
         Ok(())
     }
@@ -665,20 +666,11 @@ impl PyBlockPool {
         max_pinned: usize,
     ) -> PyResult<Vec<usize>> {
         let groups = pin_groups(groups)?;
-        let ttl = match ttl_s.filter(|t| !t.is_none()) {
-            None => None,
-            Some(t) if t.is_instance_of::<PyBool>() => {
-                return Err(type_error("ttl_s", "a number of seconds", t))
-            }
-            Some(t) => Some(
-                t.extract::<f64>()
-                    .map_err(|_| type_error("ttl_s", "a number of seconds", t))?,
-            ),
-        };
+        let ttl = seconds_of(ttl_s, "ttl_s")?;
         let now = if ttl.is_some() { Self::now(slf)? } else { 0.0 };
         let views: Vec<(u32, &[BlockHash])> =
             groups.iter().map(|(g, h)| (*g, h.as_slice())).collect();
-        let mut me = lock_mut(slf, "pool")?;
+        let mut me = lock(slf, "pool")?;
         let counts = me
             .inner
             .pin_prefix(&views, ttl, now, max_pinned)
@@ -693,7 +685,7 @@ impl PyBlockPool {
         let groups = pin_groups(groups)?;
         let views: Vec<(u32, &[BlockHash])> =
             groups.iter().map(|(g, h)| (*g, h.as_slice())).collect();
-        Ok(lock_mut(slf, "pool")?.inner.unpin_prefix(&views))
+        Ok(lock(slf, "pool")?.inner.unpin_prefix(&views))
     }
 
     /// Number of pinned blocks (kvcore extension).
@@ -712,7 +704,7 @@ impl PyBlockPool {
 
     /// Makes every cached block unfindable while requests run (kvcore extension).
     fn invalidate_prefix_cache(slf: &Bound<'_, Self>) -> PyResult<()> {
-        let mut me = lock_mut(slf, "pool")?;
+        let mut me = lock(slf, "pool")?;
         me.inner.invalidate_prefix_cache();
         Ok(())
     }
@@ -866,7 +858,7 @@ impl PyBlockPool {
                 .ok_or_else(|| invalid("event metadata was not read"))?;
             Ok(sub_meta(full, full_range, &ranges, req))
         };
-        let mut me = lock_mut(slf, "pool")?;
+        let mut me = lock(slf, "pool")?;
         Ok(me.inner.cache_full_blocks::<Error>(
             &new_ids,
             num_cached,
@@ -968,7 +960,7 @@ impl PyBlockPool {
                 .take()
                 .ok_or_else(|| invalid("event metadata requested twice").into())
         };
-        let key = lock_mut(slf, "pool")?.inner.cache_partial_block::<Error>(
+        let key = lock(slf, "pool")?.inner.cache_partial_block::<Error>(
             b,
             nt,
             kv_cache_group_id,
@@ -1099,7 +1091,7 @@ impl PyBlockPool {
 
     fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = extract_evict_ids(num_blocks(slf)?, block_ids)?;
-        Ok(lock_mut(slf, "pool")?
+        Ok(lock(slf, "pool")?
             .inner
             .evict_blocks(&ids)
             .map_err(Error::Pool)?)
@@ -1107,7 +1099,7 @@ impl PyBlockPool {
 
     fn reset_prefix_cache(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<bool> {
         let (ok, used) = {
-            let mut me = lock_mut(slf, "pool")?;
+            let mut me = lock(slf, "pool")?;
             let ok = me.inner.reset_prefix_cache();
             (
                 ok,
@@ -1137,13 +1129,13 @@ impl PyBlockPool {
         let as_int = use_int_hashes(py)?;
         // Building the Python events can run Python code (a collection, finalizers) and so
         // switch threads: the pool is not borrowed while it does.
-        let events = lock_mut(slf, "pool")?.inner.take_events();
+        let events = lock(slf, "pool")?.inner.take_events();
         events_to_py(py, events, as_int)
     }
 
     /// Starts or stops recording the operations a block-metrics collector follows.
     fn record_block_ops(slf: &Bound<'_, Self>, on: bool) -> PyResult<()> {
-        let mut me = lock_mut(slf, "pool")?;
+        let mut me = lock(slf, "pool")?;
         me.inner.record_block_ops(on);
         Ok(())
     }
@@ -1152,7 +1144,7 @@ impl PyBlockPool {
     /// 1 accessed, 2 evicted, 3 the prefix cache was reset (block id 0).
     fn take_block_ops(slf: &Bound<'_, Self>) -> PyResult<Vec<(u8, u32)>> {
         use kvcore_core::pool::BlockOp;
-        let ops = lock_mut(slf, "pool")?.inner.take_block_ops();
+        let ops = lock(slf, "pool")?.inner.take_block_ops();
         Ok(ops
             .into_iter()
             .map(|op| match op {
@@ -1266,7 +1258,7 @@ impl PyBlockPool {
             return Ok(());
         }
         let now = Self::now(slf)?;
-        let mut me = lock_mut(slf, "pool")?;
+        let mut me = lock(slf, "pool")?;
         if me.inner.needs_expire(now) {
             me.inner.expire(now);
         }

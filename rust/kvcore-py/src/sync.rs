@@ -126,15 +126,3 @@ where
         py.allow_threads(std::thread::yield_now);
     }
 }
-
-/// [`lock`]; the name says the caller changes the state.
-///
-/// # Errors
-/// As [`lock`].
-#[inline]
-pub fn lock_mut<'a, T>(obj: &'a Bound<'_, T>, what: &str) -> PyResult<Held<'a, T::State>>
-where
-    T: PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Guarded + Sync,
-{
-    lock(obj, what)
-}
