@@ -14,7 +14,11 @@
   every :data:`PIN_EVERY` steps (timed). Without either it is the loop of
   ``test_bench_manager.py`` unchanged.
 
-One full-attention group, block size 16, sha256_cbor, prefix caching on, events off.
+One full-attention group, block size 16, sha256_cbor, prefix caching on, events off
+(:data:`FULL`); :data:`HYBRID_LAYOUTS` are the hybrid KV cache configurations the manager
+bench also runs (several groups, as vLLM builds for hybrid models; same hashing, caching on,
+events off), described once by :class:`Layout` and built into either side's config classes
+as ``tests/difftrace.py`` builds its trace configurations.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -74,6 +78,73 @@ class Size:
             self.max_model_len,
         )
 
+
+@dataclass(frozen=True)
+class Group:
+    """One KV cache group of a :class:`Layout` (``tests/difftrace.py``'s ``GroupDesc``)."""
+
+    kind: str
+    """``full``, ``swa`` (sliding window), ``chunked`` (chunked local attention) or ``mamba``."""
+    block_size: int = BLOCK_SIZE
+    window: int = 0
+    """Sliding window (swa) or attention chunk (chunked), in tokens."""
+    mamba_mode: str = "none"
+    """``mamba_cache_mode`` (mamba only)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A KV cache configuration: its groups in group-id order and the manager's block sizes."""
+
+    name: str
+    groups: tuple[Group, ...]
+    scheduler_block_size: int = BLOCK_SIZE
+    hash_block_size: int = BLOCK_SIZE
+
+    @property
+    def mamba_align(self) -> bool:
+        """Whether the scheduler splits prefills at block boundaries (Mamba align mode)."""
+        return any(g.kind == "mamba" and g.mamba_mode == "align" for g in self.groups)
+
+    def sized(self, size: Size) -> Size:
+        """``size`` with the pool grown to ``size.num_blocks`` per group.
+
+        vLLM sizes a hybrid model's shared pool as memory / (page size x layers per group):
+        the same memory split into several groups gives proportionally more (smaller) blocks,
+        which all groups draw from. One group: ``size`` itself.
+        """
+        if len(self.groups) == 1:
+            return size
+        return replace(size, num_blocks=size.num_blocks * len(self.groups))
+
+
+FULL = Layout("full", (Group("full"),))
+"""The single full-attention configuration (the manager bench's and the retention bench's)."""
+
+MAMBA_BLOCK_SIZE = 256
+"""Mamba block size of ``full+mamba``, which is also its scheduler block size."""
+
+HYBRID_LAYOUTS = (
+    Layout("full+swa", (Group("full"), Group("swa", window=1024))),
+    # Align mode (vLLM's mode for hybrid Mamba with prefix caching): the Mamba state is cached
+    # every scheduler block, prefills are split at those boundaries (see simulate_steps);
+    # attention blocks stay at 16, hashes at 16.
+    Layout(
+        "full+mamba",
+        (Group("full"), Group("mamba", MAMBA_BLOCK_SIZE, mamba_mode="align")),
+        scheduler_block_size=MAMBA_BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
+    ),
+    Layout("full+chunked", (Group("full"), Group("chunked", window=512))),
+    # Full attention at 16, sliding window at 32: the scheduler block is their lcm, hashes at 16.
+    Layout(
+        "two-sizes",
+        (Group("full"), Group("swa", 32, window=1024)),
+        scheduler_block_size=32,
+        hash_block_size=BLOCK_SIZE,
+    ),
+)
+"""The hybrid configurations of ``test_bench_manager.py`` (pytest ids: their names)."""
 
 SIZES = (
     Size("2000req-8192blk", 2000, 8192, max_num_seqs=128, max_num_batched_tokens=4096),
@@ -191,16 +262,42 @@ class Impl:
     """The manager's clock, moved :data:`STEP_S` per step, or None (the manager's own)."""
     pins: list[list[int]] = field(default_factory=list)
     """Prompts pinned every :data:`PIN_EVERY` steps."""
+    align_split: int = 0
+    """Block size of the scheduler's block-aligned prefill split (Mamba align mode), or 0."""
 
 
-def _config(specs: Any, config: Any, dtype: Any, num_blocks: int) -> Any:
-    spec = specs.FullAttentionSpec(BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=dtype)
-    return config.KVCacheConfig(num_blocks, [], [config.KVCacheGroupSpec(["attn"], spec)])
+def _config(specs: Any, config: Any, dtype: Any, num_blocks: int, layout: Layout = FULL) -> Any:
+    if layout == FULL:
+        spec = specs.FullAttentionSpec(BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype=dtype)
+        return config.KVCacheConfig(num_blocks, [], [config.KVCacheGroupSpec(["attn"], spec)])
+    groups = []
+    for i, g in enumerate(layout.groups):
+        common = {"num_kv_heads": 8, "head_size": 128, "dtype": dtype}
+        s: Any
+        if g.kind == "full":
+            s = specs.FullAttentionSpec(g.block_size, **common)
+        elif g.kind == "swa":
+            s = specs.SlidingWindowSpec(g.block_size, sliding_window=g.window, **common)
+        elif g.kind == "chunked":
+            s = specs.ChunkedLocalAttentionSpec(
+                g.block_size, attention_chunk_size=g.window, **common
+            )
+        elif g.kind == "mamba":
+            s = specs.MambaSpec(
+                g.block_size,
+                shapes=((3, 8192), (64, 64, 128)),
+                dtypes=(dtype, dtype),
+                mamba_cache_mode=g.mamba_mode,
+            )
+        else:
+            raise ValueError(g.kind)
+        groups.append(config.KVCacheGroupSpec([f"layer{i}"], s))
+    return config.KVCacheConfig(num_blocks, [], groups)
 
 
-def reference_impl(size: Size) -> Impl:
+def reference_impl(size: Size, layout: Layout = FULL) -> Impl:
     """The reference manager with sha256_cbor hashing (no retention: plain LRU whatever the
-    requests ask)."""
+    requests ask), for the KV cache configuration ``layout``."""
     import torch
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -211,12 +308,12 @@ def reference_impl(size: Size) -> Impl:
 
     fn = get_hash_fn_by_name(HASH_FN)
     init_none_hash(fn)
-    hasher = get_request_block_hasher(BLOCK_SIZE, fn)
+    hasher = get_request_block_hasher(layout.hash_block_size, fn)
     mgr = KVCacheManager(
-        _config(kvi, kvi, torch.float16, size.num_blocks),
+        _config(kvi, kvi, torch.float16, size.num_blocks, layout),
         max_model_len=size.max_model_len,
-        scheduler_block_size=BLOCK_SIZE,
-        hash_block_size=BLOCK_SIZE,
+        scheduler_block_size=layout.scheduler_block_size,
+        hash_block_size=layout.hash_block_size,
         max_num_batched_tokens=size.max_num_batched_tokens,
     )
     params = SamplingParams(max_tokens=256)
@@ -224,7 +321,14 @@ def reference_impl(size: Size) -> Impl:
     def make(rid: str, prompt: list[int], conv: Conversation, turn: int) -> Any:
         return Request(rid, prompt, params, None, block_hasher=hasher)
 
-    return Impl("reference", mgr, make, RequestStatus, "reference")
+    return Impl(
+        "reference",
+        mgr,
+        make,
+        RequestStatus,
+        "reference",
+        align_split=layout.scheduler_block_size if layout.mamba_align else 0,
+    )
 
 
 def kvcore_impl(
@@ -235,8 +339,10 @@ def kvcore_impl(
     clock: Clock | None = None,
     retention_of: RetentionOf | None = None,
     pins: list[list[int]] | None = None,
+    layout: Layout = FULL,
 ) -> Impl:
-    """kvcore's manager; hashing by ``kvcore.hashing`` or, where it is missing, the
+    """kvcore's manager for the KV cache configuration ``layout``; hashing by
+    ``kvcore.hashing`` or, where it is missing, the
     reference's. ``clock`` is the manager's (``clock=``, with ``hash_fn=`` for the pins),
     ``retention_of`` gives each request its ``retention_priority`` / ``retention_ttl_s``,
     ``pins`` are pinned every :data:`PIN_EVERY` steps; without them the manager and its
@@ -253,7 +359,7 @@ def kvcore_impl(
 
         fn = hashing.get_hash_fn_by_name(HASH_FN)
         hashing.init_none_hash(fn)
-        hasher: Any = hashing.get_request_block_hasher(BLOCK_SIZE, fn)
+        hasher: Any = hashing.get_request_block_hasher(layout.hash_block_size, fn)
         origin = "kvcore"
     except ImportError:
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -261,14 +367,14 @@ def kvcore_impl(
 
         fn = get_hash_fn_by_name(HASH_FN)
         init_none_hash(fn)
-        hasher = get_request_block_hasher(BLOCK_SIZE, fn)
+        hasher = get_request_block_hasher(layout.hash_block_size, fn)
         origin = "reference (kvcore.hashing unavailable)"
     extra: dict[str, Any] = {} if clock is None else {"hash_fn": fn, "clock": clock}
     mgr = KVCacheManager(
-        _config(kspecs, kconfig, "float16", size.num_blocks),
+        _config(kspecs, kconfig, "float16", size.num_blocks, layout),
         max_model_len=size.max_model_len,
-        scheduler_block_size=BLOCK_SIZE,
-        hash_block_size=BLOCK_SIZE,
+        scheduler_block_size=layout.scheduler_block_size,
+        hash_block_size=layout.hash_block_size,
         max_num_batched_tokens=size.max_num_batched_tokens,
         **extra,
     )
@@ -300,6 +406,7 @@ def kvcore_impl(
         append_batch=append_output_token_ids_batch if batch else None,
         clock=clock,
         pins=list(pins or []),
+        align_split=layout.scheduler_block_size if layout.mamba_align else 0,
     )
 
 
@@ -315,6 +422,24 @@ def _token_seed(request_id: str) -> int:
     (2.5 KiB each) would evict the managers' own state between the timed calls.
     """
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little")
+
+
+def _aligned_split(bs: int, r: Any, n: int, computed: int, uncached_prefix: int = 0) -> int:
+    """The reference scheduler's block-aligned prefill split for Mamba align mode
+    (``Scheduler._mamba_block_aligned_split``, no EAGLE): ``n`` tokens after ``computed``,
+    cut to a multiple of the scheduler block ``bs``, or to the last block boundary of the
+    request, or (Marconi admission) to the ``uncached_prefix`` a lookup reported; 0 when
+    nothing aligned fits (the request waits)."""
+    if computed < max(r.num_prompt_tokens, r.num_tokens - 1):
+        last = r.num_tokens - r.num_tokens % bs
+        after = computed + n
+        if after < last:
+            n = n // bs * bs
+        elif computed < last < after:
+            n = last - computed
+        if uncached_prefix >= bs and n > uncached_prefix:
+            n = uncached_prefix // bs * bs
+    return n
 
 
 @dataclass
@@ -353,9 +478,12 @@ def simulate_steps(
     every scheduler step.
 
     Only the KV-manager work is timed (pins included). The caller handles the garbage
-    collector.
+    collector. With ``impl.align_split`` (Mamba align mode) prefill chunks are split at
+    block boundaries as the reference's scheduler splits them: a running request left
+    with nothing aligned to compute is skipped this step, a waiting one stops admission.
     """
     mgr = impl.manager
+    align = impl.align_split
     st = impl.status
     clock = time.perf_counter_ns
     digest = hashlib.blake2b(digest_size=16)
@@ -408,15 +536,27 @@ def simulate_steps(
                         break
                     r = lv.req
                     n = min(r.num_tokens - r.num_computed_tokens, left)
+                    if align:
+                        n = _aligned_split(align, r, n, r.num_computed_tokens)
+                        if n <= 0:
+                            break  # skipped: the batch ends before it
                     reqs.append(r)
                     ns.append(n)
                     left -= n
+                if not reqs:  # running[i] has nothing aligned to compute: skip it
+                    i += 1
+                    continue
                 t0 = clock()
                 got = mgr.allocate_slots_batch(reqs, ns, allow_none=True)
                 spent += clock() - t0
             else:
                 r = running[i].req
                 ns = [min(r.num_tokens - r.num_computed_tokens, budget)]
+                if align:
+                    ns[0] = _aligned_split(align, r, ns[0], r.num_computed_tokens)
+                    if ns[0] <= 0:
+                        i += 1
+                        continue
                 t0 = clock()
                 blocks = mgr.allocate_slots(r, ns[0])
                 got = [] if blocks is None else [blocks.get_block_ids(allow_none=True)]
@@ -455,6 +595,12 @@ def simulate_steps(
             hit_blocks, hits = mgr.get_computed_blocks(r)
             spent += clock() - t0
             n = min(r.num_tokens - hits, budget)
+            if align:
+                uncached = getattr(mgr.coordinator, "num_uncached_common_prefix_tokens", 0)
+                n = _aligned_split(align, r, n, hits, uncached)
+                digest.update(f"u{uncached}".encode())
+                if n <= 0:
+                    break
             t0 = clock()
             blocks = mgr.allocate_slots(r, n, hits, hit_blocks)
             ids = None if blocks is None else blocks.get_block_ids()

@@ -38,6 +38,25 @@ Sizes (one full-attention group, block size 16, sha256_cbor, prefix caching on, 
 ``KVCORE_BENCH_SCALE`` (default 1.0) shrinks the request count, the pool and the sequence cap
 for quick runs.  Results are printed as a table and merged into
 ``benches/results/manager.json``.  Use a release build (``maturin develop --release``).
+
+Hybrid configurations (``test_bench_manager_hybrid``): the same loop, sizes and lockstep on KV
+cache configurations of several groups, as vLLM builds for hybrid models
+(``scheduler_loop.HYBRID_LAYOUTS``; the pool has ``num_blocks`` per group: the same memory in
+smaller pages), with the reference, ``kvcore`` and ``kvcore-batch`` side by side and the same
+checksum, which must be equal:
+
+- ``full+swa``: full attention + sliding window 1024, block size 16;
+- ``full+mamba``: full attention at 16 + Mamba in ``align`` mode (prefix caching of the state
+  every scheduler block) at 256, the scheduler block 256, hashes at 16; prefills are split at
+  those boundaries as vLLM's scheduler splits them;
+- ``full+chunked``: full attention + chunked local attention (chunk 512), block size 16;
+- ``two-sizes``: full attention at 16 + sliding window 1024 at 32, the scheduler block 32,
+  hashes at 16.
+
+Their rows go to ``benches/results/manager_hybrid.json`` (key ``<config>/<size>``). The
+single full-attention configuration (``full``) is ``test_bench_manager``. Select with the
+pytest id, e.g. ``-k full+swa`` or
+``"benches/test_bench_manager.py::test_bench_manager_hybrid[two-sizes-2000req-8192blk]"``.
 """
 
 from __future__ import annotations
@@ -50,7 +69,9 @@ import pytest
 from scheduler_loop import (
     BLOCK_SIZE,
     HASH_FN,
+    HYBRID_LAYOUTS,
     SIZES,
+    Layout,
     RunResult,
     Size,
     kvcore_impl,
@@ -68,11 +89,18 @@ pytestmark = pytest.mark.reference
 
 SCALE = float(os.environ.get("KVCORE_BENCH_SCALE", "1.0"))
 RESULTS = Path(__file__).parent / "results" / "manager.json"
+HYBRID_RESULTS = Path(__file__).parent / "results" / "manager_hybrid.json"
 
 
 def _record(
     size: Size, ref: RunResult, kv: RunResult, kvb: RunResult, hasher: str
 ) -> dict[str, Any]:
+    row = _row(size, ref, kv, kvb, hasher)
+    merge_results(RESULTS, size, row, block_size=BLOCK_SIZE, hash_fn=HASH_FN)
+    return row
+
+
+def _row(size: Size, ref: RunResult, kv: RunResult, kvb: RunResult, hasher: str) -> dict[str, Any]:
     rm, rp = step_stats(ref.step_us)
     km, kp = step_stats(kv.step_us)
     bm, bp = step_stats(kvb.step_us)
@@ -99,7 +127,6 @@ def _record(
         "checksums_match": ref.checksum == kv.checksum == kvb.checksum,
         "kvcore_hasher": hasher,
     }
-    merge_results(RESULTS, size, row, block_size=BLOCK_SIZE, hash_fn=HASH_FN)
     return row
 
 
@@ -153,3 +180,61 @@ def test_bench_manager(
     assert kv.steps == ref.steps == kvb.steps
     assert kv.checksum == ref.checksum, "kvcore and the reference made different decisions"
     assert kvb.checksum == ref.checksum, "allocate_slots_batch changed a decision"
+
+
+def _run(
+    size: Size, layout: Layout, monkeypatch: pytest.MonkeyPatch, benchmark: Any
+) -> tuple[list[RunResult], str]:
+    """The three implementations in lockstep on ``size``'s workload, configured as ``layout``."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # both NONE_HASHes from the same seed
+    convs, _ = make_workload(size)
+    impls = [
+        reference_impl(size, layout),
+        kvcore_impl(size, layout=layout),
+        kvcore_impl(size, batch=True, layout=layout),
+    ]
+    holder: list[list[RunResult]] = []
+    benchmark.pedantic(
+        lambda: holder.append(run_lockstep(impls, size, convs)), rounds=1, iterations=1
+    )
+    return holder[0], impls[1].hasher
+
+
+def _layout_fields(layout: Layout) -> dict[str, Any]:
+    return {
+        "config": layout.name,
+        "groups": [
+            {"kind": g.kind, "block_size": g.block_size, "window": g.window}
+            | ({"mamba_cache_mode": g.mamba_mode} if g.kind == "mamba" else {})
+            for g in layout.groups
+        ],
+        "scheduler_block_size": layout.scheduler_block_size,
+        "hash_block_size": layout.hash_block_size,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("size", [s.scaled(SCALE) for s in SIZES], ids=lambda s: s.name)
+@pytest.mark.parametrize("layout", HYBRID_LAYOUTS, ids=lambda c: c.name)
+def test_bench_manager_hybrid(
+    layout: Layout,
+    size: Size,
+    benchmark: Any,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hybrid KV cache configuration on both managers: equal decisions, per-step costs."""
+    pooled = layout.sized(size)
+    (ref, kv, kvb), hasher = _run(pooled, layout, monkeypatch, benchmark)
+    row = {**_layout_fields(layout), **_row(pooled, ref, kv, kvb, hasher)}
+    key = Size(f"{layout.name}/{size.name}", 0, 0, 0, 0)
+    merge_results(HYBRID_RESULTS, key, row, hash_fn=HASH_FN)
+    benchmark.extra_info.update(row)
+    with capsys.disabled():
+        print(_table(f"{layout.name} {size.name}", row))
+    assert kv.steps == ref.steps == kvb.steps
+    assert kv.checksum == ref.checksum, (
+        f"{layout.name}: kvcore and the reference made different decisions"
+    )
+    assert kvb.checksum == ref.checksum, f"{layout.name}: allocate_slots_batch changed a decision"
