@@ -16,10 +16,12 @@ from kvcore._native import (
     BlockStateError,
     DoubleFreeError,
     InvalidArgumentError,
+    InvalidConfigError,
     InvariantViolationError,
     KvcoreError,
     MissingBlocksError,
     NoFreeBlocksError,
+    UnsupportedError,
 )
 
 __all__ = [
@@ -34,12 +36,6 @@ __all__ = [
     "KvcoreError",
     "MissingBlocksError",
     "NoFreeBlocksError",
+    "UnsupportedError",
 ]
 
-
-class InvalidConfigError(KvcoreError, ValueError, AssertionError):
-    """An inconsistent KV cache configuration (block sizes, groups, specs).
-
-    The reference asserts on most of these (COORD-2, COORD-7, COORD-9, SPEC-1) and raises
-    ValueError on others (CFG-2, the retention interval); this class satisfies both handlers.
-    """

@@ -25,38 +25,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    ClassVar,
-    Concatenate,
-    Literal,
-    ParamSpec,
-    TypeVar,
-    cast,
-    overload,
-)
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from kvcore._native import BlockPool, NoFreeBlocksError, Retention
+from kvcore._native import BlockPool, KVCacheManagerCore
 from kvcore.blocks import KVCacheBlocks
-from kvcore.coordinator import (
-    HybridKVCacheCoordinator,
-    get_kv_cache_coordinator,
-    hashes_at_block_size,
-)
-from kvcore.errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-    InvalidConfigError,
-    InvariantViolationError,
-)
+from kvcore.coordinator import get_kv_cache_coordinator, hashes_at_block_size
+from kvcore.errors import InvalidConfigError
 from kvcore.events import BlockStored, KVCacheEvent
-from kvcore.request import RequestStatus
-from kvcore.single_type import FullAttentionManager, SingleTypeKVCacheManager
 from kvcore.specs import (
-    AttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
@@ -69,47 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["KVCacheManager", "PrefixCacheStats"]
 
 logger = logging.getLogger(__name__)
-
-_NOT_RUNNING = object()
-_WAITING = RequestStatus.WAITING
-_PREEMPTED = RequestStatus.PREEMPTED
-
-
-class _SkipUndo:
-    """What ALLOC-6 (``remove_skipped_blocks``) is about to change for one request, so that a
-    refused allocation can put it back: the entries it may create and the blocks it may free
-    (freeing appends them to the free queue's ends; touching them takes them out again and
-    restores their counts, leaving the queue as it was)."""
-
-    __slots__ = ("had", "managers", "request_id", "saved")
-
-    def __init__(
-        self,
-        request_id: str,
-        managers: Sequence[SingleTypeKVCacheManager],
-        skippers: Sequence[SingleTypeKVCacheManager],
-    ) -> None:
-        self.request_id = request_id
-        self.managers = managers
-        self.had = [request_id in m.req_to_blocks for m in managers]
-        self.saved = [(m, list(m.req_to_blocks.get(request_id, ()))) for m in skippers]
-
-    def restore(self, pool: Any) -> None:
-        """Takes the freed blocks back and drops the entries created."""
-        rid = self.request_id
-        freed: list[int] = []
-        for m, old in self.saved:
-            cur = m.req_to_blocks.get(rid)
-            if cur is None:
-                continue
-            freed.extend(a for a, b in zip(old, cur, strict=False) if a != b)
-            cur[:] = old
-        if freed:
-            pool.touch(freed)
-        for m, present in zip(self.managers, self.had, strict=True):
-            if not present and not m.req_to_blocks.get(rid, True):
-                del m.req_to_blocks[rid]
-
 
 @dataclass(slots=True)
 class PrefixCacheStats:
@@ -158,9 +93,9 @@ _M = TypeVar("_M", bound="KVCacheManager")
 
 def _serialized(method: Callable[Concatenate[_M, _P], _T]) -> Callable[Concatenate[_M, _P], _T]:
     """Runs the method under the manager's lock, so that calls from many threads on the
-    Python path (the coordinators check capacity, then allocate, in separate pool calls) are
-    serialised. The lock is re-entrant: a request property that calls the manager from inside
-    a call is served. The native path serialises its own calls (``kvcore._native``)."""
+    methods with Python state (stats, pins) are serialised. The lock is re-entrant: a request
+    property that calls the manager from inside a call is served. The core's methods
+    serialise their own calls (``kvcore._native``)."""
 
     @functools.wraps(method)
     def call(self: _M, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
@@ -170,13 +105,19 @@ def _serialized(method: Callable[Concatenate[_M, _P], _T]) -> Callable[Concatena
     return call
 
 
-class KVCacheManager:
+class KVCacheManager(KVCacheManagerCore):
     """Allocates and frees KV cache blocks for requests (SPEC §8).
 
-    With a single full-attention group (the common case) the per-request calls run in Rust
-    (``kvcore._native.UnitaryFullAttention``); other configurations run the Python
-    coordinators of :mod:`kvcore.coordinator`. Set the class attribute
-    ``use_native_fast_path = False`` before construction to force the Python path.
+    The constructor holds the policy: it checks the configuration, picks the coordinator
+    (:mod:`kvcore.coordinator`) and its managers, and builds the Rust core the manager
+    subclasses (``kvcore._native.KVCacheManagerCore``, typed in ``kvcore/_native.pyi``). The
+    per-request calls are the core's methods, one boundary crossing each, for every
+    configuration: :meth:`allocate_slots`, :meth:`allocate_slots_batch`, :meth:`free`,
+    :meth:`pop_blocks_for_free`, :meth:`get_blocks`, :meth:`get_block_ids`,
+    :meth:`get_block_ids_for_computed_tokens`, :meth:`get_num_common_prefix_blocks`,
+    :meth:`cache_blocks`, :meth:`remove_skipped_blocks`, :meth:`take_new_block_ids` and
+    :meth:`new_step_starts`. The methods below are the ones with Python state (stats, events'
+    group metadata, cache control).
 
     Attributes:
         max_model_len: Longest sequence.
@@ -192,9 +133,6 @@ class KVCacheManager:
         kv_cache_event_metadata: Per group, the event kind and window (MGR-4).
         empty_kv_cache_blocks: The shared empty result (MGR-3).
     """
-
-    use_native_fast_path: ClassVar[bool] = True
-    """Route a single full-attention group to the Rust manager (see the class docs)."""
 
     def __init__(
         self,
@@ -217,7 +155,7 @@ class KVCacheManager:
         max_pinned_fraction: float = 0.5,
         exact_router_events: bool = False,
     ) -> None:
-        """Builds the coordinator, its pool and managers (MGR-1..4).
+        """Builds the coordinator, its pool and the core (MGR-1..4).
 
         Args:
             kv_cache_config: The configuration.
@@ -275,15 +213,13 @@ class KVCacheManager:
             metrics_collector,
         )
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
-        self.block_pool = self.coordinator.block_pool
+        self.block_pool: BlockPool = self.coordinator.block_pool
         self.hash_fn = hash_fn
         self.clock = clock
         self.max_pinned_fraction = max_pinned_fraction
         self.exact_router_events = exact_router_events
-        # The native pool's cache-control surface (kvcore extensions).
-        self._pool = cast(BlockPool, self.block_pool)
-        self._pool.clock = clock
-        self._pool.exact_router_events = exact_router_events
+        self.block_pool.clock = clock
+        self.block_pool.exact_router_events = exact_router_events
         self.kv_cache_config = kv_cache_config
         if not watermark >= 0.0:
             raise InvalidConfigError(f"watermark must be non-negative, not {watermark}")
@@ -298,95 +234,24 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups)), self.block_pool
         )
-        self._empty_blocks = self.empty_kv_cache_blocks.blocks
-        managers = self.coordinator.single_type_managers
-        single_full = (
-            managers[0]
-            if len(managers) == 1 and type(managers[0]) is FullAttentionManager
-            else None
-        )
-        # Decode fast path over groups that keep the base allocation and caching rules.
-        base = SingleTypeKVCacheManager
-        simple = all(
-            type(m).get_num_blocks_to_allocate is base.get_num_blocks_to_allocate
-            and type(m).allocate_new_blocks is base.allocate_new_blocks
-            and type(m).cache_blocks is base.cache_blocks
-            for m in managers
-        )
-        coordinator = self.coordinator
-        self._hybrid_sbs = (
-            coordinator.scheduler_block_size
-            if isinstance(coordinator, HybridKVCacheCoordinator)
-            else 0
-        )
-        self._retention = coordinator.retention_interval
-        self._skippers = coordinator._skippers
-        self._decode_groups: tuple[
-            tuple[SingleTypeKVCacheManager, int, dict[str, int], dict[str, list[int]], int], ...
-        ] = (
-            tuple(
-                (
-                    m,
-                    m.block_size,
-                    m.num_cached_block,
-                    m.req_to_blocks,
-                    m.block_size if self._hybrid_sbs and m.use_eagle else 0,
-                )
-                for m in managers
-            )
-            if simple and managers
-            else ()
-        )
-        self._native: Any = None
-        if single_full is not None and self.use_native_fast_path:
-            self._install_native(single_full)
-        self._clip_sizes = tuple(
-            g.kv_cache_spec.block_size
-            if isinstance(g.kv_cache_spec, AttentionSpec)
-            and not isinstance(g.kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec)
-            else None
-            for g in kv_cache_config.kv_cache_groups
-        )
-
-    def _install_native(self, stm: FullAttentionManager) -> None:
-        """Routes the per-request calls of a single full-attention group to Rust.
-
-        ``kvcore._native.UnitaryFullAttention`` owns the request state of that configuration
-        and answers each call in one boundary crossing. Its bound methods replace this
-        instance's methods, so a call costs no Python frame of its own. The Python coordinator
-        stays for construction checks and the pool; its managers then hold no requests.
-        """
-        from kvcore._native import BlockPool, UnitaryFullAttention
-
-        native = UnitaryFullAttention(
-            cast(BlockPool, self.block_pool),
-            stm.block_size,
-            stm._records_new_ids,
-            self.max_model_len,
+        cfg = self.coordinator.native_config()
+        self._init_core(
+            self.block_pool,
+            cfg.mode,
+            cfg.groups,
+            cfg.eagle_groups,
+            cfg.attention_groups,
+            max_model_len,
             self.watermark_blocks,
-            stm.use_eagle,
+            scheduler_block_size,
+            cfg.retention_interval,
+            cfg.dcp_world_size,
+            cfg.pcp_world_size,
+            cfg.clip,
             KVCacheBlocks,
             self.empty_kv_cache_blocks,
-            stm.kv_cache_spec.block_size,
         )
-        self._native = native
-        names = [
-            "allocate_slots",
-            "allocate_slots_batch",
-            "free",
-            "pop_blocks_for_free",
-            "get_blocks",
-            "get_block_ids",
-            "get_block_ids_for_computed_tokens",
-            "take_new_block_ids",
-        ]
-        if self.enable_caching:
-            # COORD-8: without caching the count is always 0, which the Python path returns.
-            names.append("get_num_common_prefix_blocks")
-        if not self.log_stats:
-            names.append("get_computed_blocks")
-        for name in names:
-            setattr(self, name, getattr(native, name))
+        self.coordinator.bind(self)
 
     @property
     def usage(self) -> float:
@@ -411,7 +276,7 @@ class KVCacheManager:
         """Finds the request's longest cached prefix (MGR-6, MGR-7).
 
         The hit never covers the last token, which must be recomputed for its logits. Lookups
-        change no reference count.
+        change no reference count. The search runs in the core; the stats are kept here.
 
         Args:
             request: The request.
@@ -419,463 +284,11 @@ class KVCacheManager:
         Returns:
             The hit blocks and the number of hit tokens.
         """
-        if self._native is not None:
-            found: tuple[KVCacheBlocks, int] = self._native.get_computed_blocks(request)
-            stats = self.prefix_cache_stats
-            if stats is not None and self.enable_caching and not request.skip_reading_prefix_cache:
-                stats.record(request.num_tokens, found[1], request.num_preemptions > 0)
-            return found
-        if not self.enable_caching or request.skip_reading_prefix_cache:
-            return self.empty_kv_cache_blocks, 0
-        num_tokens = request.num_tokens
-        if num_tokens <= 0:
-            # The reference's walk over ``num_tokens - 1`` tokens raises ValueError (islice).
-            raise InvalidArgumentError("a request without tokens has no prefix to look up")
-        blocks, num_hit = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, num_tokens - 1
-        )
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.record(num_tokens, num_hit, request.num_preemptions > 0)
-        return self.create_kv_cache_blocks(blocks), num_hit
-
-    @_serialized
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-        num_encoder_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-        reserved_blocks: int = 0,
-        has_scheduled_reqs: bool = True,
-    ) -> KVCacheBlocks | None:
-        """Gives the request slots for its next tokens (ALLOC-1..13).
-
-        Args:
-            request: The request.
-            num_new_tokens: Tokens to compute this step, draft tokens included.
-            num_new_computed_tokens: Prefix-hit tokens found by :meth:`get_computed_blocks`.
-            new_computed_blocks: The hit blocks, or None.
-            num_lookahead_tokens: Speculative slots to allocate (never cached).
-            num_external_computed_tokens: Tokens a KV connector computed.
-            delay_cache_blocks: Skip caching this step (P/D transfers).
-            num_encoder_tokens: Encoder tokens (cross-attention groups).
-            full_sequence_must_fit: Admission gate: fail unless the whole sequence fits.
-            reserved_blocks: Free blocks to leave for other sequences.
-            has_scheduled_reqs: Whether the watermark applies.
-
-        Returns:
-            The newly allocated blocks (the shared empty instance when none), or None when the
-            pool has too few free blocks.
-
-        Raises:
-            InvalidArgumentError: (a ValueError) zero new tokens without external tokens, a
-                negative count, or hits for the wrong number of groups.
-            InvariantViolationError: (an AssertionError) hits for a running request.
-        """
-        ext = num_external_computed_tokens
-        try:
-            negative = (
-                num_new_tokens
-                | num_new_computed_tokens
-                | num_lookahead_tokens
-                | ext
-                | num_encoder_tokens
-                | reserved_blocks
-            ) < 0
-        except TypeError:
-            raise ArgumentTypeError("token and block counts must be ints") from None
-        if num_new_tokens == 0 and ext == 0:
-            raise InvalidArgumentError(
-                "num_new_tokens must be > 0 when there are no external computed tokens"
-            )
-        if negative:
-            raise InvalidArgumentError("token and block counts must be non-negative")
-        self._pool.expire()
-        request_id = request.request_id
-        empty = self._empty_blocks
-        if new_computed_blocks is None:
-            ncb = empty
-        else:
-            ncb = new_computed_blocks.blocks
-            if ncb is not empty:
-                self._check_new_computed_blocks(request_id, ncb)
-        local = request.num_computed_tokens + num_new_computed_tokens
-        max_model_len = self.max_model_len
-        total = local + ext
-        if total > max_model_len:
-            total = max_model_len
-        wm = (
-            self.watermark_blocks
-            if has_scheduled_reqs and (request.status == _WAITING or request.status == _PREEMPTED)
-            else 0
-        )
-        main = total + num_new_tokens
-        need_slot = main + num_lookahead_tokens
-        if need_slot > max_model_len:
-            need_slot = max_model_len
-
-        if ncb is empty and not ext and not full_sequence_must_fit and self._decode_groups:
-            out = self._allocate_running(
-                request, request_id, total, main, need_slot, wm, reserved_blocks, delay_cache_blocks
-            )
-            if out is not _NOT_RUNNING:
-                return out  # type: ignore[return-value]
-
-        coordinator = self.coordinator
-        managers = coordinator.single_type_managers
-        # Refusals the reference makes part-way (after freeing, touching or allocating) are
-        # made here, before anything changes.
-        if self._skippers and local + ext > max_model_len:
-            # A window group pads its skipped blocks with that many null entries (STM-4):
-            # the reference builds a list of the size, kvcore refuses the count.
-            raise InvalidArgumentError(
-                f"computed tokens ({local + ext}) beyond max_model_len ({max_model_len}) with "
-                "sliding-window groups"
-            )
-        if num_new_computed_tokens and ncb is empty and self._skippers:
-            # A window's skipped blocks are padded from the hits (STM-4): computed tokens
-            # without them make STM-2 undercount what ALLOC-9 then allocates, after ALLOC-6
-            # has freed blocks outside the window.
-            raise InvalidArgumentError(
-                "num_new_computed_tokens must come with the hit blocks it counts"
-            )
-        if (ncb is not empty or ext > 0) and not any(
-            request_id in m.num_cached_block for m in managers
-        ):
-            for m in managers:
-                if m.req_to_blocks.get(request_id):
-                    raise InvariantViolationError(
-                        f"request {request_id!r} holds blocks and cannot take prefix hits or "
-                        "external tokens"
-                    )
-        if self.enable_caching and not delay_cache_blocks:
-            num_tokens = request.num_tokens
-            coordinator.check_cacheable(
-                request, main if main < num_tokens else num_tokens, False, ncb
-            )
-        if full_sequence_must_fit:
-            full = request.num_tokens
-            if full > max_model_len:
-                full = max_model_len
-            need = coordinator.get_num_blocks_to_allocate(
-                request_id, full, ncb, num_encoder_tokens, total, full, True
-            )
-            if need + wm > self.block_pool.get_num_free_blocks():
-                return None
-
-        # ``need`` (STM-2) may undercount what is then allocated: external-token blocks
-        # (STM-5) are not capped by max_model_len, and a window group's skipped blocks are
-        # padded only from hits for a request that is not running. The reference then fails
-        # in get_new_blocks after ALLOC-6's frees, touching hits or allocating earlier
-        # groups; kvcore checks first and, refusing, undoes ALLOC-6.
-        undo: _SkipUndo | None = None
-        if ext > 0 or (
-            self._skippers and not any(request_id in m.num_cached_block for m in managers)
-        ):
-            undo = _SkipUndo(request_id, managers, self._skippers)
-        coordinator.remove_skipped_blocks(request_id, total, request.num_prompt_tokens)
-        need = coordinator.get_num_blocks_to_allocate(
-            request_id, need_slot, ncb, num_encoder_tokens, local + ext, main
-        )
-        if need + wm > self.block_pool.get_num_free_blocks() - reserved_blocks:
-            return None
-        if undo is not None:
-            try:
-                self._check_allocation_fits(
-                    request_id, ncb, local, ext, need_slot, ncb is not empty or ext > 0
-                )
-            except NoFreeBlocksError:
-                undo.restore(self.block_pool)
-                raise
-        if ncb is not empty or ext > 0:
-            coordinator.allocate_new_computed_blocks(request_id, ncb, local, ext)
-        new_blocks = coordinator.allocate_new_blocks(
-            request_id, need_slot, main, num_encoder_tokens
-        )
-        if self.enable_caching and not delay_cache_blocks:
-            num_tokens = request.num_tokens
-            coordinator.cache_blocks(request, main if main < num_tokens else num_tokens)
-        return self.create_kv_cache_blocks(new_blocks)
-
-    def _check_allocation_fits(
-        self,
-        request_id: str,
-        ncb: tuple[Sequence[int], ...],
-        local: int,
-        ext: int,
-        need_slot: int,
-        computed: bool,
-    ) -> None:
-        """Raises NoFreeBlocksError, changing nothing, when touching the hits (STM-4), the
-        external-token blocks (STM-5) and the new blocks (STM-3) would need more blocks than
-        are free. ``computed``: whether ALLOC-8 will add hits or external tokens. Groups whose
-        allocation rules are not the base ones are not simulated."""
-        managers = self.coordinator.single_type_managers
-        running = any(request_id in m.num_cached_block for m in managers)
-        base = SingleTypeKVCacheManager
-        pool = self.block_pool
-        null = pool.null_block
-        touched: set[int] = set()
-        pops = 0
-        total = local + ext
-        for i, m in enumerate(managers):
-            if (
-                type(m).allocate_new_blocks is not base.allocate_new_blocks
-                or type(m).add_local_computed_blocks is not base.add_local_computed_blocks
-                or type(m).allocate_external_computed_blocks
-                is not base.allocate_external_computed_blocks
-            ):
-                return
-            bs = m.block_size
-            blocks = m.req_to_blocks.get(request_id)
-            length = len(blocks) if blocks is not None else 0
-            if computed and not running:
-                skipped = max(m.get_num_skipped_tokens(total) // bs, 0)
-                hits = list(ncb[i][skipped:] if skipped > 0 else ncb[i])
-                if self.enable_caching and hits:
-                    for b, r in zip(hits, pool.get_ref_cnts(hits), strict=True):
-                        if r == 0 and b != null:
-                            touched.add(b)
-                length = skipped + len(hits)
-                sk = m.get_num_skipped_tokens(total)
-                e = min(total - sk, ext) if sk > 0 else ext
-                if e > 0:
-                    n = -(-total // bs) - length
-                    if n > 0:
-                        pops += n
-                        length += n
-            n = -(-need_slot // bs) - length
-            if n > 0:
-                pops += n
-        free = pool.get_num_free_blocks() - len(touched)
-        if pops > free:
-            raise NoFreeBlocksError(f"Cannot get {pops} free blocks from the pool ({free} free)")
-
-    def _allocate_running(
-        self,
-        request: Request,
-        request_id: str,
-        total: int,
-        main: int,
-        need_slot: int,
-        wm: int,
-        reserved_blocks: int,
-        delay_cache_blocks: bool,
-    ) -> KVCacheBlocks | object | None:
-        """ALLOC-6..12 for a request running in every group, without hits or external tokens.
-
-        Exact for managers that keep the base STM-2/STM-3/STM-6 (all but Mamba and
-        cross-attention): STM-2's running branch reduces to ``max(cdiv(n, bs) - held, 0)``,
-        the groups' STM-3 allocations are popped in one pool call and split in group order
-        (the same blocks, evictions and events as one call per group), and STM-6 is called only
-        for groups with newly full blocks (it returns early for the others).
-
-        Returns:
-            As :meth:`allocate_slots`, or ``_NOT_RUNNING`` when some group does not list the
-            request as running (the caller then takes the general path).
-        """
-        groups = self._decode_groups
-        for _m, _bs, cached, _tables, _eagle in groups:
-            if request_id not in cached:
-                return _NOT_RUNNING
-        if self.enable_caching and not delay_cache_blocks:
-            num_tokens = request.num_tokens
-            self.coordinator.check_cacheable(
-                request, main if main < num_tokens else num_tokens, False
-            )
-        for skipper in self._skippers:
-            skipper.remove_skipped_blocks(request_id, total, request.num_prompt_tokens)
-        need = 0
-        for _m, bs, _cached, tables, _eagle in groups:
-            n = -(-need_slot // bs) - len(tables[request_id])
-            if n > 0:
-                need += n
-        pool = self.block_pool
-        if (need or wm or reserved_blocks) and (
-            need + wm > pool.get_num_free_blocks() - reserved_blocks
-        ):
-            return None
-        result: KVCacheBlocks = self.empty_kv_cache_blocks
-        if need:
-            fresh = pool.get_new_blocks(need)
-            per_group: list[list[int]] = []
-            pos = 0
-            for m, bs, _cached, tables, _eagle in groups:
-                blocks = tables[request_id]
-                n = -(-need_slot // bs) - len(blocks)
-                if n > 0:
-                    chunk = fresh if n == need else fresh[pos : pos + n]
-                    pos += n
-                    blocks.extend(chunk)
-                    if m._records_new_ids:
-                        m.new_block_ids.extend(chunk)
-                    per_group.append(chunk)
-                else:
-                    per_group.append([])
-            result = KVCacheBlocks(tuple(per_group), pool)
-        if self.enable_caching and not delay_cache_blocks:
-            num_tokens = request.num_tokens
-            to_cache = main if main < num_tokens else num_tokens
-            sbs = self._hybrid_sbs
-            if sbs:
-                aligned = to_cache // sbs * sbs
-                for m, bs, cached, _tables, eagle_bs in groups:
-                    n = aligned
-                    if eagle_bs and aligned > 0:
-                        n = min(to_cache, aligned + eagle_bs)
-                    if cached[request_id] < n // bs:
-                        m.cache_blocks(request, n, self._retention)
-            else:
-                for m, bs, cached, _tables, _eagle in groups:
-                    if cached[request_id] < to_cache // bs:
-                        m.cache_blocks(request, to_cache, self._retention)
-        return result
-
-    @overload
-    def allocate_slots_batch(
-        self,
-        requests: Sequence[Request],
-        num_new_tokens: Sequence[int],
-        num_lookahead_tokens: int = 0,
-        allow_none: Literal[False] = False,
-    ) -> list[tuple[list[int], ...]]: ...
-
-    @overload
-    def allocate_slots_batch(
-        self,
-        requests: Sequence[Request],
-        num_new_tokens: Sequence[int],
-        num_lookahead_tokens: int = 0,
-        allow_none: bool = False,
-    ) -> list[tuple[list[int], ...] | None]: ...
-
-    def allocate_slots_batch(
-        self,
-        requests: Sequence[Request],
-        num_new_tokens: Sequence[int],
-        num_lookahead_tokens: int = 0,
-        allow_none: bool = False,
-    ) -> list[tuple[list[int], ...]] | list[tuple[list[int], ...] | None]:
-        """Allocates for a batch of running requests in one call (kvcore extension).
-
-        Equivalent to ``allocate_slots(r, n, num_lookahead_tokens=num_lookahead_tokens)`` for
-        each ``(r, n)`` in order, stopping at the first request that does not fit: the same
-        decisions, blocks and events as that loop, at one boundary crossing per batch for the
-        single full-attention configuration. A scheduler calls it for its running requests
-        and, when it comes back short, preempts and calls again from the request that failed.
-
-        Args:
-            requests: Requests that already hold blocks (no new prefix hits).
-            num_new_tokens: Tokens to compute this step, one count per request.
-            num_lookahead_tokens: Speculative lookahead slots, the same for every request.
-            allow_none: Give None instead of empty lists for a request that got no new block
-                (as ``get_block_ids(allow_none=True)``, which is what a scheduler sends on:
-                most decode steps allocate nothing).
-
-        Returns:
-            ``allocate_slots(...).get_block_ids(allow_none)`` of each request that fit, in
-            order. A result shorter than ``requests`` means ``requests[len(result)]`` got None
-            from ``allocate_slots`` and the ones after it were not tried.
-
-        Raises:
-            InvalidArgumentError: The two sequences differ in length, or a count is not
-                positive (checked for every request before any is allocated); or a request is
-                refused as by ``allocate_slots``, and the requests before it stay allocated,
-                as in the loop.
-            ArgumentTypeError: A count is not an int.
-        """
-        if len(requests) != len(num_new_tokens):
-            raise InvalidArgumentError(
-                f"{len(requests)} requests but {len(num_new_tokens)} token counts"
-            )
-        for n in num_new_tokens:
-            if not isinstance(n, int):
-                raise ArgumentTypeError(f"num_new_tokens must be ints, not {type(n).__name__}")
-            if n <= 0:
-                # ALLOC-1 (zero) and negative counts, for every request before any is allocated.
-                raise InvalidArgumentError(f"num_new_tokens must be positive, got {n}")
-        out: list[tuple[list[int], ...] | None] = []
-        with self._lock:  # one step: no other thread's call in between
-            for request, n in zip(requests, num_new_tokens, strict=True):
-                blocks = self.allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)
-                if blocks is None:
-                    break
-                out.append(blocks.get_block_ids(allow_none=allow_none))
-        return out
-
-    def _check_new_computed_blocks(self, request_id: str, ncb: tuple[Sequence[int], ...]) -> None:
-        """Rejects hits of the wrong shape, or for a running request, before any mutation."""
-        if len(ncb) != self.num_kv_cache_groups:
-            raise InvalidArgumentError(
-                f"new_computed_blocks has {len(ncb)} groups, the manager has "
-                f"{self.num_kv_cache_groups}"
-            )
-        if any(ncb) and any(
-            request_id in m.num_cached_block for m in self.coordinator.single_type_managers
-        ):
-            raise InvariantViolationError(
-                f"request {request_id!r} is running and cannot take new prefix hits"
-            )
-
-    @_serialized
-    def free(self, request: Request) -> None:
-        """Frees the request's blocks, group by group, tail first (MGR-20).
-
-        The request's ``retention_priority`` and ``retention_ttl_s``, when it has them, place
-        its cached blocks in the eviction order (kvcore extension, CC-1..2).
-
-        Args:
-            request: The request; an unknown one is a no-op.
-
-        Raises:
-            InvalidArgumentError: A retention out of range; nothing is freed.
-            ArgumentTypeError: A retention of the wrong type; nothing is freed.
-        """
-        priority = getattr(request, "retention_priority", None)
-        ttl_s = getattr(request, "retention_ttl_s", None)
-        if priority is None and ttl_s is None:
-            self.coordinator.free(request.request_id)
-        else:
-            self.coordinator.free(request.request_id, Retention(priority, ttl_s))
-
-    @_serialized
-    def remove_skipped_blocks(
-        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
-    ) -> None:
-        """Frees blocks outside the attention windows (MGR-22).
-
-        Args:
-            request_id: The request id.
-            total_computed_tokens: Local plus external computed tokens.
-            num_prompt_tokens: Prompt length (R-SWA), or None.
-
-        Raises:
-            ArgumentTypeError: A count that is not an int.
-        """
-        if not isinstance(total_computed_tokens, int) or not isinstance(
-            num_prompt_tokens, int | None
-        ):
-            raise ArgumentTypeError("token counts must be ints")
-        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens, num_prompt_tokens)
-
-    @_serialized
-    def pop_blocks_for_free(self, request: Request) -> list[int]:
-        """Forgets the request without freeing; returns its blocks (MGR-21).
-
-        The caller must later pass them, reversed, to ``block_pool.free_blocks``.
-
-        Args:
-            request: The request.
-
-        Returns:
-            All its block ids, group by group, in allocation order.
-        """
-        return self.coordinator.pop_blocks_for_free(request.request_id)
+        found: tuple[KVCacheBlocks, int] = self._computed_blocks(request)
+        stats = self.prefix_cache_stats
+        if stats is not None and self.enable_caching and not request.skip_reading_prefix_cache:
+            stats.record(request.num_tokens, found[1], request.num_preemptions > 0)
+        return found
 
     @_serialized
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -909,7 +322,7 @@ class KVCacheManager:
         again as usual. Free cached blocks become plain free blocks and pins are released.
         With events on, one ``AllBlocksCleared`` is queued.
         """
-        self._pool.invalidate_prefix_cache()
+        self.block_pool.invalidate_prefix_cache()
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
 
@@ -979,8 +392,8 @@ class KVCacheManager:
         """
         groups = self._prefix_hashes(token_ids, lora_request, cache_salt)
         max_pinned = int(self.max_pinned_fraction * self.kv_cache_config.num_blocks)
-        self._pool.expire()
-        counts = self._pool.pin_prefix(groups, ttl_s, max_pinned)
+        self.block_pool.expire()
+        counts = self.block_pool.pin_prefix(groups, ttl_s, max_pinned)
         return self._prefix_count(counts)
 
     @_serialized
@@ -1005,25 +418,13 @@ class KVCacheManager:
             InvalidConfigError: The manager was built without ``hash_fn``.
         """
         groups = self._prefix_hashes(token_ids, lora_request, cache_salt)
-        return self._prefix_count(self._pool.unpin_prefix(groups))
+        return self._prefix_count(self.block_pool.unpin_prefix(groups))
 
     @property
     def num_pinned_blocks(self) -> int:
         """How many blocks are pinned now (CC-5)."""
-        self._pool.expire()
-        return self._pool.num_pinned_blocks
-
-    @_serialized
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Per group, the leading blocks every tracked request shares (MGR-22, FA-2).
-
-        Args:
-            running_request_id: Any running request.
-
-        Returns:
-            One count per group.
-        """
-        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
+        self.block_pool.expire()
+        return self.block_pool.num_pinned_blocks
 
     @_serialized
     def take_events(self) -> list[KVCacheEvent]:
@@ -1044,72 +445,6 @@ class KVCacheManager:
             event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = meta[gid]
         return events
 
-    @_serialized
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        """The request's blocks per group (MGR-25); callers must not mutate the lists.
-
-        Args:
-            request_id: The request id; an unknown one gives the empty instance.
-
-        Returns:
-            The blocks.
-        """
-        return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
-
-    @_serialized
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block ids per group, as new lists (MGR-25)."""
-        return self.get_blocks(request_id).get_block_ids()
-
-    @_serialized
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> tuple[list[int], ...]:
-        """Block ids covering the first ``num_computed_tokens`` tokens (MGR-26).
-
-        Args:
-            request_id: The request id.
-            num_computed_tokens: Computed tokens.
-
-        Returns:
-            Per group, ``cdiv(n, block_size)`` ids for attention groups; the whole list for
-            Mamba, cross-attention and encoder-only groups.
-
-        Raises:
-            InvalidArgumentError: A negative count (the reference slices oddly).
-            ArgumentTypeError: A count that is not an int.
-        """
-        if not isinstance(num_computed_tokens, int):
-            raise ArgumentTypeError("num_computed_tokens must be an int")
-        if num_computed_tokens < 0:
-            raise InvalidArgumentError(
-                f"num_computed_tokens must be non-negative, got {num_computed_tokens}"
-            )
-        out: list[list[int]] = []
-        for ids, bs in zip(self.get_block_ids(request_id), self._clip_sizes, strict=True):
-            out.append(ids if bs is None else ids[: -(-num_computed_tokens // bs)])
-        return tuple(out)
-
-    @_serialized
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Caches the request's full blocks when caching is on (MGR-27).
-
-        Args:
-            request: The request.
-            num_computed_tokens: Tokens to cover, cached ones included.
-        """
-        if self.enable_caching:
-            if self._native is not None:
-                self._native.cache_blocks(request, num_computed_tokens)
-            else:
-                if not isinstance(num_computed_tokens, int):
-                    raise ArgumentTypeError(
-                        "num_computed_tokens must be an int, not "
-                        f"{type(num_computed_tokens).__name__}"
-                    )
-                self.coordinator.check_cacheable(request, num_computed_tokens)
-                self.coordinator.cache_blocks(request, num_computed_tokens)
-
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[int], ...]) -> KVCacheBlocks:
         """Wraps per-group ids; the shared empty instance when all are empty (MGR-3).
 
@@ -1120,16 +455,3 @@ class KVCacheManager:
             The result object.
         """
         return KVCacheBlocks(blocks, self.block_pool) if any(blocks) else self.empty_kv_cache_blocks
-
-    @_serialized
-    def take_new_block_ids(self) -> list[int]:
-        """Drains the ids allocated since the last call, group by group (MGR-29)."""
-        ids: list[int] = []
-        for m in self.coordinator.single_type_managers:
-            ids.extend(m.take_new_block_ids())
-        return ids
-
-    @_serialized
-    def new_step_starts(self) -> None:
-        """Signals a new scheduler step (MGR-30)."""
-        self.coordinator.new_step_starts()

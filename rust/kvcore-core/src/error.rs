@@ -78,6 +78,10 @@ pub enum PoolError {
     MissingBlocks(String),
     /// Any other violated precondition.
     Invalid(String),
+    /// An inconsistent configuration (block sizes, groups, specs).
+    Config(String),
+    /// An operation the configuration does not support (cross-attention lookups).
+    Unsupported(String),
 }
 
 impl fmt::Display for PoolError {
@@ -137,7 +141,11 @@ impl fmt::Display for PoolError {
                 "pinning {requested} more blocks would exceed the bound of {max} pinned blocks \
                  ({pinned} pinned now); nothing was pinned"
             ),
-            Self::Invalid(msg) | Self::Invariant(msg) | Self::MissingBlocks(msg) => {
+            Self::Invalid(msg)
+            | Self::Invariant(msg)
+            | Self::MissingBlocks(msg)
+            | Self::Config(msg)
+            | Self::Unsupported(msg) => {
                 f.write_str(msg)
             }
         }

@@ -196,7 +196,64 @@ impl FullAttentionTables {
         self.lookup(id).is_some_and(|r| r.num_cached.is_some())
     }
 
-    fn entry(&mut self, id: &str) -> &mut RequestBlocks {
+    /// Whether the request has an entry (the reference's `id in req_to_blocks`).
+    pub fn contains(&self, id: &str) -> bool {
+        self.index.contains_key(id)
+    }
+
+    /// The group id.
+    pub fn group_id(&self) -> u32 {
+        self.group_id
+    }
+
+    /// The slot of the request's entry: through `hint` when it is valid, else by id.
+    pub(crate) fn resolve(&self, id: &str, hint: Option<SlotHint>) -> Option<u32> {
+        self.hinted(hint).or_else(|| self.slot_of(id))
+    }
+
+    /// The entry in `slot` (a slot [`Self::resolve`] returned, with no removal since).
+    pub(crate) fn at_slot(&self, slot: u32) -> &RequestBlocks {
+        self.at(slot).expect("a resolved slot holds an entry")
+    }
+
+    /// Grows the entry in `slot` to `want` blocks, recording the new ids; the range of its
+    /// table that is new.
+    pub(crate) fn grow_slot(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: u32,
+        want: usize,
+    ) -> Result<std::ops::Range<usize>, PoolError> {
+        let e = self.slots[slot as usize]
+            .entry
+            .as_mut()
+            .expect("a resolved slot holds an entry");
+        let have = e.blocks.len();
+        if want <= have {
+            return Ok(have..have);
+        }
+        pool.get_new_blocks_into(want - have, &mut e.blocks)?;
+        if self.record_new_ids {
+            self.new_block_ids.extend_from_slice(&e.blocks[have..]);
+        }
+        Ok(have..want)
+    }
+
+    /// The request's state, mutable, if it has an entry.
+    pub(crate) fn get_mut(&mut self, id: &str) -> Option<&mut RequestBlocks> {
+        let slot = self.slot_of(id)?;
+        self.slots[slot as usize].entry.as_mut()
+    }
+
+    /// Records `ids` as newly allocated when this group records them (SPEC MGR-29).
+    pub(crate) fn record(&mut self, ids: &[BlockId]) {
+        if self.record_new_ids {
+            self.new_block_ids.extend_from_slice(ids);
+        }
+    }
+
+    /// The request's entry, created empty when missing (the reference's default-dict read).
+    pub(crate) fn entry(&mut self, id: &str) -> &mut RequestBlocks {
         let slot = self.entry_slot(id);
         self.slots[slot as usize]
             .entry

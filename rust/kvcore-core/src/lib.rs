@@ -34,6 +34,7 @@
 //! ## Invariants
 //! See [`pool::BlockPool::check_invariants`].
 
+pub mod coordinator;
 pub mod error;
 pub mod events;
 pub mod full_attention;
@@ -42,6 +43,7 @@ pub mod hashing;
 pub mod huge;
 pub mod msgpack;
 pub mod pool;
+pub mod single_type;
 pub mod prefetch;
 pub mod value;
 

@@ -23,13 +23,15 @@ struct Classes {
     argument_overflow: Py<PyType>,
     invariant_violation: Py<PyType>,
     missing_blocks: Py<PyType>,
+    invalid_config: Py<PyType>,
+    unsupported: Py<PyType>,
 }
 
 static CLASSES: GILOnceCell<Classes> = GILOnceCell::new();
 
 /// (name, bases after `KvcoreError`: built-in classes, or a class made earlier in this list,
 /// docstring)
-const SPECS: [(&str, &[&str], &str); 9] = [
+const SPECS: [(&str, &[&str], &str); 11] = [
     (
         "BlockIdError",
         &["IndexError", "AssertionError"],
@@ -78,6 +80,19 @@ const SPECS: [(&str, &[&str], &str); 9] = [
         &["InvalidArgumentError", "IndexError"],
         "A request holds fewer blocks than the call needs, e.g. caching blocks it was never \
          given (the reference fails indexing its block list).",
+    ),
+    (
+        "InvalidConfigError",
+        &["ValueError", "AssertionError"],
+        "An inconsistent KV cache configuration (block sizes, groups, specs). The reference \
+         asserts on most of these (COORD-2, COORD-7, COORD-9, SPEC-1) and raises ValueError on \
+         others (CFG-2, the retention interval); this class satisfies both handlers.",
+    ),
+    (
+        "UnsupportedError",
+        &["NotImplementedError"],
+        "An operation the configuration does not support, where the reference raises \
+         NotImplementedError (prefix-cache lookups of cross-attention groups, XATTN-1).",
     ),
 ];
 
@@ -129,7 +144,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add(*name, ty.bind(py))?;
     }
     let mut it = made.into_iter();
-    let mut next = || it.next().expect("SPECS has nine entries");
+    let mut next = || it.next().expect("one class per SPECS entry");
     let classes = Classes {
         block_id: next(),
         no_free_blocks: next(),
@@ -140,6 +155,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         argument_overflow: next(),
         invariant_violation: next(),
         missing_blocks: next(),
+        invalid_config: next(),
+        unsupported: next(),
     };
     // A second initialisation of the module (sub-interpreters) keeps the first classes.
     let _ = CLASSES.set(py, classes);
@@ -198,6 +215,8 @@ pub fn to_pyerr(e: PoolError) -> PyErr {
             | PoolError::Invalid(_) => &c.invalid_argument,
             PoolError::Invariant(_) => &c.invariant_violation,
             PoolError::MissingBlocks(_) => &c.missing_blocks,
+            PoolError::Config(_) => &c.invalid_config,
+            PoolError::Unsupported(_) => &c.unsupported,
         };
         PyErr::from_type(ty.bind(py).clone(), e.to_string())
     })

@@ -47,7 +47,7 @@ mod _native {
     };
 
     #[pymodule_export]
-    use super::manager::PyUnitaryFullAttention;
+    use super::manager::PyManagerCore;
 
     #[pymodule_export]
     use super::blocks::PyKVCacheBlocks;

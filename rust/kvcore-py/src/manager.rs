@@ -1,15 +1,21 @@
-//! `kvcore._native.UnitaryFullAttention`: the request-facing calls of a model whose only
-//! KV-cache group is full attention, one boundary crossing per call. `kvcore.KVCacheManager`
-//! routes every call here for that configuration (the common case) and keeps its Python
-//! coordinators for the others.
+//! `kvcore._native.KVCacheManagerCore`: the request-level calls of every KV-cache
+//! configuration, one boundary crossing per call, over [`kvcore_core::coordinator`].
+//! `kvcore.KVCacheManager` is a Python subclass: its constructor chooses the configuration
+//! (coordinator, group types, attention groups) and hands it to `_init_core`; the per-request
+//! calls are this class's methods. Its `coordinator_*` and `group_*` methods answer the Python
+//! coordinator classes and their single-type manager views.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use kvcore_core::coordinator::{
+    AllocateArgs, AttentionGroup, Coordinator, CoordinatorConfig, Mode, RequestView,
+};
 use kvcore_core::events::{MetaRequest, StoredMeta};
-use kvcore_core::full_attention::{AllocateArgs, RequestView, UnitaryFullAttention};
 use kvcore_core::hash::BlockHash;
-use kvcore_core::pool::{BlockId, BlockPool, HashSource};
+use kvcore_core::pool::retention::Retention;
+use kvcore_core::pool::{BlockId, HashSource};
+use kvcore_core::single_type::{GroupConfig, HashList, Kind, MambaMode};
 use kvcore_core::PoolError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -19,18 +25,18 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use crate::args::{count_of, id_key, request_id_of, Count, Flag};
 use crate::errors::{invalid, to_pyerr, Error};
 use crate::pool::{
-    cached_prefix, extract_ids, get_opt, list_or_copy, request_retention, stored_meta, to_hash,
-    PyBlockPool, PyRetention,
+    extract_ids, get_opt, list_or_copy, request_retention, stored_meta, to_hash, PyBlockPool,
+    PyRetention,
 };
 use crate::request::{prefetch_ahead, CoreCast};
-use crate::sync::{lock, GilCell, Guarded};
+use crate::sync::{lock_cell, GilCell, Guarded};
 
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
 const WAITING: i64 = 1;
 const PREEMPTED: i64 = 6;
 
-/// Whether an allocation may take a request past a block boundary, so that it caches a block
-/// (an upper bound: blocks left uncached by an earlier call are not counted).
+/// Whether an allocation may take a request past a block boundary of `block_size` tokens
+/// (the smallest group's), so that it caches a block (an upper bound).
 fn may_fill_a_block(
     num_computed: usize,
     num_tokens: usize,
@@ -69,16 +75,101 @@ fn event_snapshot<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny
     cls.bind(py).call((), Some(&fields))
 }
 
-fn count(v: i64, what: &str) -> PyResult<usize> {
-    usize::try_from(v).map_err(|_| invalid(format!("{what} must be non-negative, got {v}")))
+/// A Python list (or tuple) of hashes read lazily: a hit search that stops at the first miss
+/// converts few. A bad entry reads as a miss and is reported after the search.
+struct PyHashes<'a, 'py> {
+    list: &'a Bound<'py, PyAny>,
+    len: usize,
+    err: std::cell::RefCell<Option<PyErr>>,
 }
 
-/// Per-call state of a unitary full-attention manager; see the module docs.
-#[pyclass(module = "kvcore._native", name = "UnitaryFullAttention", frozen)]
-pub struct PyUnitaryFullAttention {
-    /// The request tables, held by one call at a time ([`crate::sync`]); everything else is
-    /// fixed at construction and read without holding anything.
-    core: GilCell<UnitaryFullAttention>,
+impl<'a, 'py> PyHashes<'a, 'py> {
+    fn new(list: &'a Bound<'py, PyAny>) -> PyResult<Self> {
+        Ok(Self {
+            list,
+            len: list.len()?,
+            err: std::cell::RefCell::new(None),
+        })
+    }
+
+    fn finish(self) -> PyResult<()> {
+        self.err.into_inner().map_or(Ok(()), Err)
+    }
+}
+
+impl HashList for PyHashes<'_, '_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn get(&self, i: usize) -> Option<BlockHash> {
+        match self.list.get_item(i).and_then(|h| to_hash(&h)) {
+            Ok(h) => Some(h),
+            Err(e) => {
+                self.err.borrow_mut().get_or_insert(e);
+                None
+            }
+        }
+    }
+}
+
+/// Reads a group description `(kind, param, spec_block_size, record_new_block_ids,
+/// admission_cap)`.
+fn group_config(
+    t: &Bound<'_, PyAny>,
+    group_id: u32,
+    dcp: usize,
+    pcp: usize,
+    enable_caching: bool,
+    scheduler_block_size: usize,
+) -> PyResult<GroupConfig> {
+    let (kind, param, bs, record, cap): (String, usize, usize, bool, Option<usize>) =
+        t.extract()?;
+    let kind = match kind.as_str() {
+        "full" => Kind::Full,
+        "reference_sliding_window" => Kind::ReferenceSlidingWindow { window: param },
+        "sink" => Kind::Sink { sink_len: param },
+        "sliding_window" => Kind::SlidingWindow { window: param },
+        "chunked_local" => Kind::ChunkedLocal { chunk: param },
+        "mamba_none" | "mamba_all" | "mamba_align" => Kind::Mamba {
+            mode: match kind.as_str() {
+                "mamba_none" => MambaMode::None,
+                "mamba_all" => MambaMode::All,
+                _ => MambaMode::Align,
+            },
+            num_speculative_blocks: param,
+        },
+        "cross_attention" => Kind::CrossAttention,
+        other => {
+            return Err(to_pyerr(PoolError::Config(format!(
+                "unknown group kind {other:?}"
+            ))))
+        }
+    };
+    if matches!(
+        kind,
+        Kind::SlidingWindow { window: 0 } | Kind::ChunkedLocal { chunk: 0 }
+    ) {
+        return Err(to_pyerr(PoolError::Config(
+            "a window or chunk of 0 tokens".into(),
+        )));
+    }
+    Ok(GroupConfig {
+        kind,
+        spec_block_size: bs,
+        dcp_world_size: dcp,
+        pcp_world_size: pcp,
+        group_id,
+        record_new_ids: record,
+        admission_cap: cap,
+        enable_caching,
+        scheduler_block_size,
+    })
+}
+
+/// Everything fixed at `_init_core`, and the coordinator's state.
+struct Inner {
+    /// The coordinator, held by one call at a time ([`crate::sync`]).
+    core: GilCell<Coordinator>,
     pool: Py<PyBlockPool>,
     /// `kvcore.blocks.KVCacheBlocks`.
     blocks_cls: PyObject,
@@ -87,126 +178,85 @@ pub struct PyUnitaryFullAttention {
     empty_blocks: PyObject,
     /// Recognises kvcore requests without pyo3's per-call type check.
     cast: CoreCast,
-    /// The manager's `max_model_len` and watermark (for [`Self::check_external_fits`]).
-    max_model_len: usize,
-    watermark_blocks: usize,
-    /// The pool's `enable_caching` (fixed at construction).
+    /// The pool's `enable_caching` and `enable_kv_cache_events`.
     caching: bool,
-    /// The pool's deadline flag ([`PyBlockPool::deadline_flag`]).
-    deadlines: Arc<AtomicBool>,
-    /// The pool's `enable_kv_cache_events` and the tables' block size (fixed).
     events: bool,
-    block_size: usize,
+    /// The pool's deadline flag ([`crate::pool::PoolState::deadline_flag`]).
+    deadlines: Arc<AtomicBool>,
+    num_groups: usize,
+    /// The smallest group block size (for [`may_fill_a_block`]).
+    min_block_size: usize,
+    /// Whether `allocate_slots` reads `num_prompt_tokens` (R-SWA, the retention masks).
+    reads_prompt: bool,
+    /// Per group, whether MGR-26 clips its block list.
+    clip: Vec<bool>,
 }
 
-impl Guarded for PyUnitaryFullAttention {
-    type State = UnitaryFullAttention;
-    fn cell(&self) -> &GilCell<UnitaryFullAttention> {
-        &self.core
+impl Inner {
+    fn lock(&self, py: Python<'_>) -> PyResult<crate::sync::Held<'_, Coordinator>> {
+        lock_cell(py, &self.core, "manager")
     }
-}
 
-impl PyUnitaryFullAttention {
-    /// Refuses, before anything changes, an allocation whose external-token blocks (SPEC
-    /// STM-5, not capped by `max_model_len`) and new blocks do not fit although the capacity
-    /// checks passed. That happens only when `local + ext` exceeds the capped slot count; the
-    /// reference then raises ValueError from `get_new_blocks` after touching the hits.
-    fn check_external_fits(
-        &self,
-        core: &UnitaryFullAttention,
-        pool: &BlockPool,
-        req: &RequestView<'_>,
-        args: &AllocateArgs<'_>,
-    ) -> PyResult<()> {
-        let t = &core.tables;
-        let ext = args.num_external_computed_tokens;
-        if ext == 0 || t.is_running(req.id) || !t.blocks(req.id).is_empty() {
-            return Ok(()); // nothing external, or a call that changes no table (or refuses)
+    fn pool<'py>(&self, py: Python<'py>) -> &Bound<'py, PyBlockPool> {
+        self.pool.bind(py)
+    }
+
+    /// A `KVCacheBlocks` of per-group ids; the shared empty one when all are empty.
+    fn make_blocks(&self, py: Python<'_>, groups: &[&[BlockId]]) -> PyResult<PyObject> {
+        if groups.iter().all(|g| g.is_empty()) {
+            return Ok(self.empty.clone_ref(py));
         }
-        let mml = self.max_model_len;
-        let local = req
-            .num_computed_tokens
-            .saturating_add(args.num_new_computed_tokens);
-        let total = local.saturating_add(ext).min(mml);
-        let need_slot = total
-            .saturating_add(args.num_new_tokens)
-            .saturating_add(args.num_lookahead_tokens)
-            .min(mml);
-        if local.saturating_add(ext) <= need_slot {
-            return Ok(()); // the capacity check counted every block
-        }
-        let hits = args.new_computed_blocks.unwrap_or(&[]);
-        let wm = if args.has_scheduled_reqs && req.waiting_or_preempted {
-            self.watermark_blocks as i128
-        } else {
-            0
-        };
-        let free = pool.get_num_free_blocks() as i128;
-        // The checks that return None first (SPEC ALLOC-5, ALLOC-7).
-        if args.full_sequence_must_fit {
-            let full = req.num_tokens.min(mml);
-            let need = t
-                .get_num_blocks_to_allocate(pool, req.id, full, hits)
-                .map_err(to_pyerr)?;
-            if need as i128 + wm > free {
-                return Ok(());
-            }
-        }
-        let need = t
-            .get_num_blocks_to_allocate(pool, req.id, need_slot, hits)
-            .map_err(to_pyerr)?;
-        if need as i128 + wm > free - i128::from(args.reserved_blocks) {
-            return Ok(());
-        }
-        // Touching the hits takes the evictable ones out of the queue; then the external and
-        // the new blocks are popped.
-        let mut touched: Vec<BlockId> = hits
+        let lists = groups
             .iter()
-            .copied()
-            .filter(|&b| b != 0 && pool.ref_cnt(b) == 0)
-            .collect();
-        touched.sort_unstable();
-        touched.dedup();
-        let free = pool.get_num_free_blocks() - touched.len();
-        let bs = t.block_size();
-        let ext_want = local.saturating_add(ext).div_ceil(bs);
-        let pops = ext_want.saturating_sub(hits.len())
-            + need_slot
-                .div_ceil(bs)
-                .saturating_sub(hits.len().max(ext_want));
-        if pops > free {
-            return Err(to_pyerr(PoolError::NotEnoughFreeBlocks {
-                requested: pops,
-                free,
-            }));
+            .map(|g| PyList::new(py, g.iter()))
+            .collect::<PyResult<Vec<_>>>()?;
+        self.blocks_cls
+            .call1(py, (PyTuple::new(py, lists)?, self.pool.clone_ref(py)))
+    }
+
+    /// Per-group id lists as a tuple.
+    fn tuple_of<'py>(py: Python<'py>, groups: &[&[BlockId]]) -> PyResult<Bound<'py, PyTuple>> {
+        let lists = groups
+            .iter()
+            .map(|g| PyList::new(py, g.iter()))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, lists)
+    }
+
+    /// Reads per-group hit ids (`KVCacheBlocks.blocks` or a tuple of id sequences).
+    fn read_groups(&self, py: Python<'_>, groups: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<BlockId>>> {
+        let num_blocks = lock_cell(py, self.pool(py).get().cell(), "pool")?
+            .core()
+            .num_blocks();
+        groups
+            .try_iter()?
+            .map(|g| extract_ids(num_blocks, &g?))
+            .collect()
+    }
+
+    /// Applies the retention and pin deadlines due now (kvcore extension), before the
+    /// manager is held: the clock is Python code. One load when no deadline exists.
+    fn expire_due(&self, py: Python<'_>) -> PyResult<()> {
+        if self.deadlines.load(Ordering::Relaxed) {
+            PyBlockPool::expire_due(self.pool(py))?;
         }
         Ok(())
     }
 
-    fn make_blocks(&self, py: Python<'_>, ids: &[BlockId]) -> PyResult<PyObject> {
-        if ids.is_empty() {
-            return Ok(self.empty.clone_ref(py));
-        }
-        let list = PyList::new(py, ids)?;
-        let groups = PyTuple::new(py, [list])?;
-        self.blocks_cls.call1(py, (groups, self.pool.clone_ref(py)))
-    }
-
-    /// One allocation (SPEC ALLOC-1..12) with parsed arguments: the new block ids, or `None`
-    /// when the request does not fit.
+    /// One allocation (SPEC ALLOC-1..13) with parsed arguments: the new block ids per group,
+    /// or `None` when the request does not fit.
     ///
-    /// The request is read before the tables are held (a duck-typed request's attributes
-    /// are Python code), except its hash list's entries and, with events on, the fields an
-    /// event carries, which the core asks for as it caches. `next` names the batch and the
-    /// position of this request in it, to prefetch the following requests' state.
-    fn allocate_inner<'py>(
+    /// The request is read before the tables are held (a duck-typed request's attributes are
+    /// Python code), except its hash list's entries and, with events on, the fields an event
+    /// carries, which the core asks for as it caches. `next` names the batch and the position
+    /// of this request in it, to prefetch the following requests' state.
+    fn allocate<'py>(
         &self,
-        slf: &Bound<'py, Self>,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
         args: AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
-    ) -> PyResult<Option<Vec<BlockId>>> {
+    ) -> PyResult<Option<Vec<Vec<BlockId>>>> {
         // A kvcore Request keeps these four fields in its native base: read them directly.
         let request_core = self.cast.borrow(request)?;
         let id_obj;
@@ -219,7 +269,7 @@ impl PyUnitaryFullAttention {
                 c.status_value,
             )
         } else {
-            id_obj = PyUnitaryFullAttention::request_id(request)?;
+            id_obj = request_id(request)?;
             let num_tokens = count_of(&request.getattr(intern!(py, "num_tokens"))?, "num_tokens")?;
             let num_computed = count_of(
                 &request.getattr(intern!(py, "num_computed_tokens"))?,
@@ -236,6 +286,14 @@ impl PyUnitaryFullAttention {
             id_key_obj = id_key(&id_obj)?;
             (&*id_key_obj, num_tokens, num_computed, status)
         };
+        let num_prompt_tokens = if self.reads_prompt {
+            count_of(
+                &request.getattr(intern!(py, "num_prompt_tokens"))?,
+                "num_prompt_tokens",
+            )?
+        } else {
+            0
+        };
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
         let hint = request_core.as_ref().and_then(|c| c.table_hint.get());
@@ -243,6 +301,7 @@ impl PyUnitaryFullAttention {
             id,
             num_computed_tokens: num_computed,
             num_tokens,
+            num_prompt_tokens,
             waiting_or_preempted,
             hint,
         };
@@ -277,7 +336,7 @@ impl PyUnitaryFullAttention {
             && self.caching
             && !args.delay_cache_blocks
             && request_core.is_none()
-            && may_fill_a_block(num_computed, num_tokens, self.block_size, &args)
+            && may_fill_a_block(num_computed, num_tokens, self.min_block_size, &args)
         {
             Some(event_snapshot(request)?)
         } else {
@@ -292,40 +351,14 @@ impl PyUnitaryFullAttention {
         if request_core.is_none() && self.caching && !args.delay_cache_blocks {
             fetch()?;
         }
-        let mut core = lock(slf, "manager")?;
+        let mut core = self.lock(py)?;
         if let Some((list, i)) = next {
-            let tables = &core.tables;
+            let tables = &core.groups[0].tables;
             prefetch_ahead(list, i, &self.cast, |c| {
                 tables.prefetch_slot(c.table_hint.get());
             });
         }
-        if self.caching && !args.delay_cache_blocks {
-            // SPEC POOL-15 before anything changes: the reference asserts on too few hashes
-            // only when it caches, after allocating.
-            let local = num_computed.saturating_add(args.num_new_computed_tokens);
-            let total = local
-                .saturating_add(args.num_external_computed_tokens)
-                .min(self.max_model_len);
-            let full = total.saturating_add(args.num_new_tokens).min(num_tokens)
-                / core.tables.block_size();
-            let have = match mirror() {
-                Some(m) => m.len(),
-                None => fetch()?.len()?,
-            };
-            if have < full {
-                let cached = match core.tables.get(id).and_then(|r| r.num_cached) {
-                    Some(c) => c,
-                    None => args.new_computed_blocks.map_or(0, <[BlockId]>::len),
-                };
-                if cached < full {
-                    return Err(invalid(format!(
-                        "request {id} has {have} block hashes, too few for its {full} full blocks"
-                    )));
-                }
-            }
-        }
-        let mut pool = lock(self.pool.bind(py), "pool")?;
-        self.check_external_fits(&core, pool.core(), &view, &args)?;
+        let mut pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
         let res = core.allocate_slots::<Error>(
             pool.core_mut(),
             view,
@@ -337,8 +370,10 @@ impl PyUnitaryFullAttention {
             &mut meta,
         );
         drop(pool);
-        let res = res?;
-        let tables = &core.tables;
+        let Some(ranges) = res? else {
+            return Ok(None);
+        };
+        let tables = &core.groups[0].tables;
         let hint = match &request_core {
             Some(c) if !tables.hint_is_valid(hint) => {
                 let fresh = tables.hint(id);
@@ -347,84 +382,185 @@ impl PyUnitaryFullAttention {
             }
             _ => hint,
         };
-        Ok(res.map(|range| tables.blocks_hinted(id, hint)[range].to_vec()))
+        let mut out = Vec::with_capacity(ranges.len());
+        for (i, r) in ranges.into_iter().enumerate() {
+            let blocks = if i == 0 {
+                core.groups[0].tables.blocks_hinted(id, hint)
+            } else {
+                core.groups[i].blocks(id)
+            };
+            out.push(blocks[r].to_vec());
+        }
+        Ok(Some(out))
+    }
+
+    /// The request's hashes for a lookup: its native mirror, or its list read lazily.
+    fn lookup<'py>(
+        &self,
+        py: Python<'py>,
+        hashes: &Bound<'py, PyAny>,
+        mirror: Option<&[BlockHash]>,
+        max_len: usize,
+    ) -> PyResult<(Vec<Vec<BlockId>>, usize)> {
+        let mut core = self.lock(py)?;
+        let pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
+        match mirror {
+            Some(m) => Ok(core
+                .find_longest_cache_hit(pool.core(), &m, max_len)
+                .map_err(to_pyerr)?),
+            None => {
+                let list = list_or_copy(hashes)?;
+                let lazy = PyHashes::new(&list)?;
+                let found = core.find_longest_cache_hit(pool.core(), &lazy, max_len);
+                drop(pool);
+                drop(core);
+                lazy.finish()?;
+                Ok(found.map_err(to_pyerr)?)
+            }
+        }
     }
 }
 
-impl PyUnitaryFullAttention {
-    /// The manager's pool.
-    fn pool_of(slf: &Bound<'_, Self>) -> PyResult<Py<PyBlockPool>> {
-        Ok(slf.get().pool.clone_ref(slf.py()))
-    }
+fn count(v: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| invalid(format!("{what} must be non-negative, got {v}")))
+}
 
-    /// Applies the retention and pin deadlines due now (kvcore extension: they change what is
-    /// free), before the manager is held: the clock is Python code. One comparison when no
-    /// deadline exists.
-    fn expire_due(slf: &Bound<'_, Self>) -> PyResult<()> {
-        PyBlockPool::expire_due(Self::pool_of(slf)?.bind(slf.py()))
-    }
+fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+    let id = request.getattr(intern!(request.py(), "request_id"))?;
+    Ok(request_id_of(&id)?.clone())
+}
 
-    fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-        let id = request.getattr(intern!(request.py(), "request_id"))?;
-        Ok(request_id_of(&id)?.clone())
+/// The request-level manager core; see the module docs.
+#[pyclass(module = "kvcore._native", name = "KVCacheManagerCore", subclass, frozen)]
+pub struct PyManagerCore {
+    inner: OnceLock<Inner>,
+}
+
+impl PyManagerCore {
+    fn me(&self) -> PyResult<&Inner> {
+        self.inner.get().ok_or_else(|| {
+            to_pyerr(PoolError::Invariant(
+                "KVCacheManagerCore used before _init_core".into(),
+            ))
+        })
     }
 }
 
 #[pymethods]
-impl PyUnitaryFullAttention {
+impl PyManagerCore {
+    /// An uninitialised core; the subclass's constructor calls `_init_core`.
     #[new]
-    #[pyo3(signature = (pool, block_size, record_new_block_ids, max_model_len, watermark_blocks, use_eagle, blocks_cls, empty, spec_block_size = None))]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Self {
+        Self {
+            inner: OnceLock::new(),
+        }
+    }
+
+    /// Builds the coordinator (once). `groups`: per group `(kind, param, spec_block_size,
+    /// record_new_block_ids, admission_cap)`; `attention_groups`: hybrid only, `(group_ids,
+    /// use_eagle, is_full)` with the full-attention ones first.
+    #[pyo3(signature = (pool, mode, groups, eagle_groups, attention_groups, max_model_len, watermark_blocks, scheduler_block_size, retention_interval, dcp_world_size, pcp_world_size, clip, blocks_cls, empty))]
     #[allow(clippy::too_many_arguments)]
-    fn new(
+    fn _init_core(
+        &self,
         py: Python<'_>,
         pool: Py<PyBlockPool>,
-        block_size: i64,
-        record_new_block_ids: bool,
-        max_model_len: i64,
-        watermark_blocks: i64,
-        use_eagle: bool,
+        mode: &str,
+        groups: &Bound<'_, PyAny>,
+        eagle_groups: Vec<bool>,
+        attention_groups: Vec<(Vec<u32>, bool, bool)>,
+        max_model_len: usize,
+        watermark_blocks: usize,
+        scheduler_block_size: usize,
+        retention_interval: Option<usize>,
+        dcp_world_size: usize,
+        pcp_world_size: usize,
+        clip: Vec<bool>,
         blocks_cls: PyObject,
         empty: PyObject,
-        spec_block_size: Option<i64>,
-    ) -> PyResult<Self> {
-        let bs = count(block_size, "block_size")?;
-        let mml = count(max_model_len, "max_model_len")?;
-        let wm = count(watermark_blocks, "watermark_blocks")?;
-        let held = lock(pool.bind(py), "pool")?;
+    ) -> PyResult<()> {
+        if self.inner.get().is_some() {
+            return Err(to_pyerr(PoolError::Invariant(
+                "the manager core is already initialised".into(),
+            )));
+        }
+        let mode = match mode {
+            "no_prefix_cache" => Mode::NoPrefixCache,
+            "unitary" => Mode::Unitary,
+            "hybrid" => Mode::Hybrid,
+            other => {
+                return Err(to_pyerr(PoolError::Config(format!(
+                    "unknown coordinator {other:?}"
+                ))))
+            }
+        };
+        let mut held = lock_cell(py, pool.bind(py).get().cell(), "pool")?;
         let caching = held.core().enable_caching();
         let events = held.core().events_enabled();
         let deadlines = held.deadline_flag();
-        let core =
-            UnitaryFullAttention::new(held.core(), bs, record_new_block_ids, mml, wm, use_eagle)
-                .and_then(|c| {
-                    c.with_spec_block_size(spec_block_size.map_or(bs, |v| v.max(0) as usize))
+        let mut configs = Vec::new();
+        for (i, g) in groups.try_iter()?.enumerate() {
+            configs.push(group_config(
+                &g?,
+                i as u32,
+                dcp_world_size,
+                pcp_world_size,
+                caching,
+                scheduler_block_size,
+            )?);
+        }
+        let min_block_size = configs
+            .iter()
+            .map(|c| c.spec_block_size * dcp_world_size.max(1) * pcp_world_size.max(1))
+            .min()
+            .unwrap_or(1)
+            .max(1);
+        let cfg = CoordinatorConfig {
+            mode,
+            groups: configs,
+            eagle_groups,
+            attention_groups: attention_groups
+                .into_iter()
+                .map(|(group_ids, use_eagle, is_full)| AttentionGroup {
+                    group_ids,
+                    use_eagle,
+                    is_full,
                 })
-                .map_err(Error::Pool)?;
+                .collect(),
+            max_model_len,
+            watermark_blocks,
+            scheduler_block_size,
+            retention_interval,
+        };
+        let core = Coordinator::new(held.core_mut(), cfg).map_err(to_pyerr)?;
         drop(held);
+        let reads_prompt = core.has_skippers() || retention_interval.is_some();
+        let num_groups = core.num_groups();
         let empty_blocks = empty.getattr(py, intern!(py, "blocks"))?;
-        Ok(Self {
+        let inner = Inner {
             core: GilCell::new(core),
             pool,
             blocks_cls,
             empty,
             empty_blocks,
             cast: CoreCast::default(),
-            max_model_len: mml,
-            watermark_blocks: wm,
             caching,
-            deadlines,
             events,
-            block_size: bs,
-        })
+            deadlines,
+            num_groups,
+            min_block_size,
+            reads_prompt,
+            clip,
+        };
+        self.inner
+            .set(inner)
+            .map_err(|_| invalid("the manager core is already initialised"))
     }
 
     /// SPEC MGR-6/7 without stats: `(hit blocks, hit tokens)`.
-    fn get_computed_blocks(
-        slf: &Bound<'_, Self>,
-        py: Python<'_>,
-        request: &Bound<'_, PyAny>,
-    ) -> PyResult<(PyObject, usize)> {
-        let me = slf.get();
+    fn _computed_blocks(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<(PyObject, usize)> {
+        let me = self.me()?;
         // The request is read first: nothing is held while a duck-typed request runs code.
         if !me.caching
             || request
@@ -444,44 +580,22 @@ impl PyUnitaryFullAttention {
         }
         let mirror = request_core.as_ref().and_then(|c| c.mirrored_hashes(py));
         let hashes = match mirror {
-            Some(_) => None,
-            None => Some(list_or_copy(
-                &request.getattr(intern!(py, "block_hashes"))?,
-            )?),
+            Some(_) => py.None().into_bound(py),
+            None => request.getattr(intern!(py, "block_hashes"))?,
         };
-        let (mut hit, use_eagle, bs) = {
-            let core = lock(slf, "manager")?;
-            let bs = core.tables.block_size();
-            let max_blocks = (num_tokens - 1) / bs;
-            let pool = lock(me.pool.bind(py), "pool")?;
-            let hit = match (mirror, &hashes) {
-                (Some(m), _) => pool
-                    .core()
-                    .longest_cached_prefix(m.iter().take(max_blocks).copied(), &[0])
-                    .pop()
-                    .unwrap_or_default(),
-                (None, Some(h)) => cached_prefix(pool.core(), h, max_blocks, &[0], 1)?
-                    .pop()
-                    .unwrap_or_default(),
-                (None, None) => Vec::new(),
-            };
-            (hit, core.use_eagle(), bs)
-        };
-        if use_eagle && !hit.is_empty() {
-            hit.pop();
-        }
-        let tokens = hit.len() * bs;
-        Ok((me.make_blocks(py, &hit)?, tokens))
+        let (hit, tokens) = me.lookup(py, &hashes, mirror, num_tokens - 1)?;
+        let groups: Vec<&[BlockId]> = hit.iter().map(Vec::as_slice).collect();
+        Ok((me.make_blocks(py, &groups)?, tokens))
     }
 
-    /// SPEC ALLOC-1..12 in one call; see `KVCacheManager.allocate_slots`.
+    /// SPEC ALLOC-1..13 in one call; see `KVCacheManager.allocate_slots`.
     #[pyo3(
         signature = (request, num_new_tokens, num_new_computed_tokens = Count(0), new_computed_blocks = None, num_lookahead_tokens = Count(0), num_external_computed_tokens = Count(0), delay_cache_blocks = Flag(false), num_encoder_tokens = Count(0), full_sequence_must_fit = Flag(false), reserved_blocks = Count(0), has_scheduled_reqs = Flag(true)),
         text_signature = "($self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
-        slf: &Bound<'_, Self>,
+        &self,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         num_new_tokens: Count,
@@ -495,54 +609,36 @@ impl PyUnitaryFullAttention {
         reserved_blocks: Count,
         has_scheduled_reqs: Flag,
     ) -> PyResult<Option<PyObject>> {
-        let me = slf.get();
-        if me.deadlines.load(Ordering::Relaxed) {
-            // Retention or pin deadlines may be due (kvcore extension): apply them first.
-            Self::expire_due(slf)?;
-        }
-        // Counts of any size (saturated far above any pool or sequence, see `COUNT_CAP`), flags
-        // by their truth value, as the reference reads them.
-        let _ = num_encoder_tokens;
-        let (Count(num_new_tokens), Count(num_new_computed_tokens)) =
-            (num_new_tokens, num_new_computed_tokens);
-        let (Count(num_lookahead_tokens), Count(num_external_computed_tokens)) =
-            (num_lookahead_tokens, num_external_computed_tokens);
-        let reserved_blocks = reserved_blocks.0 as i64;
-        let (Flag(delay_cache_blocks), Flag(full_sequence_must_fit), Flag(has_scheduled_reqs)) = (
-            delay_cache_blocks,
-            full_sequence_must_fit,
-            has_scheduled_reqs,
-        );
+        let me = self.me()?;
+        me.expire_due(py)?;
         // Hits: None or the shared empty instance mean "no hits object" (ALLOC-8).
-        let mut hit_ids: Vec<BlockId> = Vec::new();
+        let mut hit_ids: Vec<Vec<BlockId>> = Vec::new();
         let mut hits_given = false;
         if let Some(ncb) = new_computed_blocks.filter(|o| !o.is_none()) {
             let groups = ncb.getattr(intern!(py, "blocks"))?;
             if !groups.is(&me.empty_blocks) {
                 hits_given = true;
-                if groups.len()? != 1 {
-                    return Err(invalid(
-                        "new_computed_blocks must hold exactly one group for this manager",
-                    ));
-                }
-                let pool = lock(me.pool.bind(py), "pool")?;
-                hit_ids = extract_ids(pool.core().num_blocks(), &groups.get_item(0)?)?;
+                hit_ids = me.read_groups(py, &groups)?;
             }
         }
         let args = AllocateArgs {
-            num_new_tokens,
-            num_new_computed_tokens,
+            num_new_tokens: num_new_tokens.0,
+            num_new_computed_tokens: num_new_computed_tokens.0,
             new_computed_blocks: hits_given.then_some(hit_ids.as_slice()),
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
+            num_lookahead_tokens: num_lookahead_tokens.0,
+            num_external_computed_tokens: num_external_computed_tokens.0,
+            delay_cache_blocks: delay_cache_blocks.0,
+            num_encoder_tokens: num_encoder_tokens.0,
+            full_sequence_must_fit: full_sequence_must_fit.0,
+            reserved_blocks: reserved_blocks.0 as i64,
+            has_scheduled_reqs: has_scheduled_reqs.0,
         };
-        match me.allocate_inner(slf, py, request, args, None)? {
+        match me.allocate(py, request, args, None)? {
             None => Ok(None),
-            Some(ids) => Ok(Some(me.make_blocks(py, &ids)?)),
+            Some(ids) => {
+                let groups: Vec<&[BlockId]> = ids.iter().map(Vec::as_slice).collect();
+                Ok(Some(me.make_blocks(py, &groups)?))
+            }
         }
     }
 
@@ -554,18 +650,15 @@ impl PyUnitaryFullAttention {
         text_signature = "($self, requests, num_new_tokens, num_lookahead_tokens=0, allow_none=False)"
     )]
     fn allocate_slots_batch<'py>(
-        slf: &Bound<'py, Self>,
+        &self,
         py: Python<'py>,
         requests: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
         num_lookahead_tokens: Count,
         allow_none: Flag,
     ) -> PyResult<Bound<'py, PyList>> {
-        let me = slf.get();
-        if me.deadlines.load(Ordering::Relaxed) {
-            // Retention or pin deadlines may be due (kvcore extension): apply them first.
-            Self::expire_due(slf)?;
-        }
+        let me = self.me()?;
+        me.expire_due(py)?;
         let (Count(lookahead), Flag(allow_none)) = (num_lookahead_tokens, allow_none);
         let counts = num_new_tokens
             .try_iter()?
@@ -589,148 +682,319 @@ impl PyUnitaryFullAttention {
         for (i, (request, n)) in requests.try_iter()?.zip(counts).enumerate() {
             let args = AllocateArgs {
                 num_new_tokens: n,
-                num_new_computed_tokens: 0,
-                new_computed_blocks: None,
                 num_lookahead_tokens: lookahead,
-                num_external_computed_tokens: 0,
-                delay_cache_blocks: false,
-                full_sequence_must_fit: false,
-                reserved_blocks: 0,
                 has_scheduled_reqs: true,
+                ..AllocateArgs::default()
             };
-            match me.allocate_inner(slf, py, &request?, args, list.map(|l| (l, i)))? {
+            match me.allocate(py, &request?, args, list.map(|l| (l, i)))? {
                 None => break,
-                Some(ids) if allow_none && ids.is_empty() => out.append(py.None())?,
-                Some(ids) => out.append(PyTuple::new(py, [PyList::new(py, ids)?])?)?,
+                Some(ids) if allow_none && ids.iter().all(Vec::is_empty) => {
+                    out.append(py.None())?;
+                }
+                Some(ids) => {
+                    let groups: Vec<&[BlockId]> = ids.iter().map(Vec::as_slice).collect();
+                    out.append(Inner::tuple_of(py, &groups)?)?;
+                }
             }
         }
         Ok(out)
     }
 
-    /// SPEC MGR-20.
-    /// The request's `retention_priority` / `retention_ttl_s` (kvcore extension), or
-    /// `retention` when given, place its cached blocks in the free queue.
+    /// SPEC MGR-20. The request's `retention_priority` / `retention_ttl_s` (kvcore extension),
+    /// or `retention` when given, place its cached blocks in the free queue.
     #[pyo3(signature = (request, retention = None))]
     fn free(
-        slf: &Bound<'_, Self>,
+        &self,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         retention: Option<&Bound<'_, PyRetention>>,
     ) -> PyResult<()> {
-        // The request's fields and the clock are read before the manager is held.
-        let id = Self::request_id(request)?;
+        let id = request_id(request)?;
         let retention = match retention {
             Some(r) => r.get().retention(),
             None => request_retention(request)?,
         };
-        let now = if retention.ttl_s().is_some() {
-            PyBlockPool::now(Self::pool_of(slf)?.bind(py))?
-        } else {
-            0.0
-        };
-        let mut core = lock(slf, "manager")?;
-        let mut pool = lock(slf.get().pool.bind(py), "pool")?;
-        Ok(core
-            .tables
-            .free_retained(pool.core_mut(), &id_key(&id)?, retention, now)
-            .map(|()| pool.note_deadlines())
-            .map_err(Error::Pool)?)
+        self.free_id(py, &id, retention)
     }
 
-    /// SPEC MGR-21: the request's blocks in allocation order, not freed.
-    fn pop_blocks_for_free(
-        slf: &Bound<'_, Self>,
-        request: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<BlockId>> {
-        let id = Self::request_id(request)?;
-        let key = id_key(&id)?;
-        Ok(lock(slf, "manager")?.tables.pop(&key))
+    /// SPEC MGR-21: the request's blocks, group by group in allocation order, not freed.
+    fn pop_blocks_for_free(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+        let id = request_id(request)?;
+        Ok(self.me()?.lock(py)?.pop(&id_key(&id)?))
     }
 
     /// SPEC MGR-25.
-    fn get_blocks(
-        slf: &Bound<'_, Self>,
-        py: Python<'_>,
-        request_id: &Bound<'_, PyAny>,
-    ) -> PyResult<PyObject> {
+    fn get_blocks(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<PyObject> {
         let id = id_key(request_id_of(request_id)?)?;
-        let ids = lock(slf, "manager")?.tables.blocks(&id).to_vec();
-        slf.get().make_blocks(py, &ids)
+        let me = self.me()?;
+        let core = me.lock(py)?;
+        let groups = core.blocks(&id);
+        me.make_blocks(py, &groups)
     }
 
     /// SPEC MGR-25: a fresh list per group.
     fn get_block_ids<'py>(
-        slf: &Bound<'py, Self>,
+        &self,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let id = id_key(request_id_of(request_id)?)?;
-        let ids = lock(slf, "manager")?.tables.blocks(&id).to_vec();
-        PyTuple::new(py, [PyList::new(py, ids)?])
+        let core = self.me()?.lock(py)?;
+        Inner::tuple_of(py, &core.blocks(&id))
     }
 
-    /// SPEC MGR-26 for a single full-attention group.
+    /// SPEC MGR-26.
     fn get_block_ids_for_computed_tokens<'py>(
-        slf: &Bound<'py, Self>,
+        &self,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
         num_computed_tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let id = id_key(request_id_of(request_id)?)?;
         let n = count_of(num_computed_tokens, "num_computed_tokens")?;
-        let ids = lock(slf, "manager")?
-            .block_ids_for_computed_tokens(&id, n)
-            .to_vec();
-        PyTuple::new(py, [PyList::new(py, ids)?])
+        let me = self.me()?;
+        let core = me.lock(py)?;
+        Inner::tuple_of(py, &core.block_ids_for_computed_tokens(&id, n, &me.clip))
     }
 
-    /// SPEC FA-2 (one value: the only group).
+    /// SPEC MGR-22 / FA-2: one count per group.
     fn get_num_common_prefix_blocks(
-        slf: &Bound<'_, Self>,
+        &self,
         py: Python<'_>,
-        request_id: &Bound<'_, PyAny>,
+        running_request_id: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<usize>> {
-        let id = id_key(request_id_of(request_id)?)?;
-        let mut core = lock(slf, "manager")?;
-        let pool = lock(slf.get().pool.bind(py), "pool")?;
-        Ok(vec![core
-            .tables
-            .get_num_common_prefix_blocks(pool.core(), &id)])
+        let id = id_key(request_id_of(running_request_id)?)?;
+        let me = self.me()?;
+        let mut core = me.lock(py)?;
+        let pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
+        Ok(core.get_num_common_prefix_blocks(pool.core(), &id))
     }
 
-    /// SPEC STM-6 through the manager (MGR-27); the caller checks that caching is on.
+    /// SPEC MGR-27: caches the request's full blocks when caching is on.
     fn cache_blocks(
-        slf: &Bound<'_, Self>,
+        &self,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         num_computed_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let n = count_of(num_computed_tokens, "num_computed_tokens")?;
-        let id_obj = Self::request_id(request)?;
-        let id = id_key(&id_obj)?;
-        let hashes = list_or_copy(&request.getattr(intern!(py, "block_hashes"))?)?;
-        let mut core = lock(slf, "manager")?;
-        // Refused before the core looks the request up (which creates its entry): a request
-        // must hold the blocks it caches (the reference fails on the missing blocks with
-        // IndexError when events are on, and caches nothing for them otherwise).
-        let tables = &core.tables;
-        let full = n / tables.block_size();
-        let cached = tables.get(&id).and_then(|r| r.num_cached).unwrap_or(0);
-        if cached < full && tables.blocks(&id).len() < full {
-            return Err(to_pyerr(PoolError::MissingBlocks(format!(
-                "request {id_obj} holds {} blocks, fewer than the {full} full ones",
-                tables.blocks(&id).len()
-            ))));
+        if self.me()?.caching {
+            self.coordinator_cache_blocks(py, request, num_computed_tokens)?;
         }
-        let len = hashes.len()?;
-        let mut get = |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&hashes.get_item(i)?)?) };
-        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
-            Ok(stored_meta(py, request, req)?)
+        Ok(())
+    }
+
+    /// SPEC MGR-22: frees the blocks outside the attention windows.
+    #[pyo3(signature = (request_id, total_computed_tokens, num_prompt_tokens = None))]
+    fn remove_skipped_blocks(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        total_computed_tokens: &Bound<'_, PyAny>,
+        num_prompt_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let id = id_key(request_id_of(request_id)?)?;
+        let total = count_of(total_computed_tokens, "total_computed_tokens")?;
+        let prompt = num_prompt_tokens
+            .filter(|p| !p.is_none())
+            .map(|p| count_of(p, "num_prompt_tokens"))
+            .transpose()?;
+        let me = self.me()?;
+        let mut core = me.lock(py)?;
+        let mut pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
+        core.remove_skipped_blocks(pool.core_mut(), &id, total, prompt)
+            .map_err(to_pyerr)
+    }
+
+    /// SPEC MGR-29: the ids allocated since the last call, group by group.
+    fn take_new_block_ids(&self, py: Python<'_>) -> PyResult<Vec<BlockId>> {
+        Ok(self.me()?.lock(py)?.take_new_block_ids())
+    }
+
+    /// SPEC MGR-30.
+    fn new_step_starts(&self, py: Python<'_>) -> PyResult<()> {
+        self.me()?.lock(py)?.new_step_starts();
+        Ok(())
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // The coordinator's calls (kvcore.coordinator)
+
+    /// COORD-7/8/11: `(hit blocks per group, hit length)` for a hash list.
+    fn coordinator_find_longest_cache_hit<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        max_cache_hit_length: Count,
+    ) -> PyResult<(Bound<'py, PyTuple>, usize)> {
+        let (hit, n) = self
+            .me()?
+            .lookup(py, block_hashes, None, max_cache_hit_length.0)?;
+        let groups: Vec<&[BlockId]> = hit.iter().map(Vec::as_slice).collect();
+        Ok((Inner::tuple_of(py, &groups)?, n))
+    }
+
+    /// COORD-12: `(hit blocks per group, hit length per group)`.
+    fn coordinator_find_longest_cache_hit_per_group<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        max_cache_hit_length: Count,
+    ) -> PyResult<(Bound<'py, PyTuple>, Vec<usize>)> {
+        let me = self.me()?;
+        let list = list_or_copy(block_hashes)?;
+        let lazy = PyHashes::new(&list)?;
+        let found = {
+            let core = me.lock(py)?;
+            let pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
+            core.find_longest_cache_hit_per_group(pool.core(), &lazy, max_cache_hit_length.0)
         };
-        let mut pool = lock(slf.get().pool.bind(py), "pool")?;
-        Ok(core.tables.cache_blocks::<Error>(
+        lazy.finish()?;
+        let (hit, lengths) = found.map_err(to_pyerr)?;
+        let groups: Vec<&[BlockId]> = hit.iter().map(Vec::as_slice).collect();
+        Ok((Inner::tuple_of(py, &groups)?, lengths))
+    }
+
+    /// The longest hit of the last hybrid lookup minus the hit kept (COORD-11).
+    #[getter]
+    fn num_uncached_common_prefix_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.me()?.lock(py)?.num_uncached_common_prefix_tokens)
+    }
+
+    /// COORD-3.
+    #[pyo3(signature = (request_id, num_tokens, new_computed_blocks, num_encoder_tokens, total_computed_tokens, num_tokens_main_model, apply_admission_cap = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn coordinator_get_num_blocks_to_allocate(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        num_tokens: Count,
+        new_computed_blocks: &Bound<'_, PyAny>,
+        num_encoder_tokens: Count,
+        total_computed_tokens: Count,
+        num_tokens_main_model: Count,
+        apply_admission_cap: bool,
+    ) -> PyResult<i64> {
+        let id = id_key(request_id_of(request_id)?)?;
+        let me = self.me()?;
+        let hits = me.read_groups(py, new_computed_blocks)?;
+        let core = me.lock(py)?;
+        let pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
+        core.get_num_blocks_to_allocate(
+            pool.core(),
+            &id,
+            num_tokens.0,
+            Some(&hits),
+            num_encoder_tokens.0,
+            total_computed_tokens.0,
+            num_tokens_main_model.0,
+            apply_admission_cap,
+        )
+        .map_err(to_pyerr)
+    }
+
+    /// COORD-5.
+    fn coordinator_allocate_new_computed_blocks(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        new_computed_blocks: &Bound<'_, PyAny>,
+        num_local_computed_tokens: Count,
+        num_external_computed_tokens: Count,
+    ) -> PyResult<()> {
+        let id = id_key(request_id_of(request_id)?)?;
+        let me = self.me()?;
+        let hits = me.read_groups(py, new_computed_blocks)?;
+        let mut core = me.lock(py)?;
+        let mut pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
+        core.allocate_new_computed_blocks(
             pool.core_mut(),
             &id,
+            Some(&hits),
+            num_local_computed_tokens.0,
+            num_external_computed_tokens.0,
+        )
+        .map_err(to_pyerr)
+    }
+
+    /// COORD-3: the new ids per group.
+    #[pyo3(signature = (request_id, num_tokens, num_tokens_main_model, num_encoder_tokens = Count(0)))]
+    fn coordinator_allocate_new_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+        num_tokens: Count,
+        num_tokens_main_model: Count,
+        num_encoder_tokens: Count,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let id = id_key(request_id_of(request_id)?)?;
+        let me = self.me()?;
+        let mut core = me.lock(py)?;
+        let mut pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
+        let ranges = core
+            .allocate_new_blocks(
+                pool.core_mut(),
+                &id,
+                num_tokens.0,
+                num_tokens_main_model.0,
+                num_encoder_tokens.0,
+            )
+            .map_err(to_pyerr)?;
+        drop(pool);
+        let groups: Vec<&[BlockId]> = ranges
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| &core.groups[i].blocks(&id)[r])
+            .collect();
+        Inner::tuple_of(py, &groups)
+    }
+
+    /// COORD-6 / COORD-10: caches the request's full blocks in every group, refusing first
+    /// where it would fail part-way.
+    fn coordinator_cache_blocks(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let me = self.me()?;
+        let n = count_of(num_computed_tokens, "num_computed_tokens")?;
+        let id_obj = request_id(request)?;
+        let id = id_key(&id_obj)?;
+        let num_prompt_tokens = if me.reads_prompt {
+            count_of(
+                &request.getattr(intern!(py, "num_prompt_tokens"))?,
+                "num_prompt_tokens",
+            )?
+        } else {
+            0
+        };
+        let hashes = list_or_copy(&request.getattr(intern!(py, "block_hashes"))?)?;
+        let len = hashes.len()?;
+        let snapshot = if me.events && me.cast.cast(request).is_none() {
+            Some(event_snapshot(request)?)
+        } else {
+            None
+        };
+        let meta_source = snapshot.as_ref().unwrap_or(request);
+        let mut get = |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&hashes.get_item(i)?)?) };
+        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
+            Ok(stored_meta(py, meta_source, req)?)
+        };
+        let mut core = me.lock(py)?;
+        core.check_cacheable(&id, n, true, None, len)
+            .map_err(to_pyerr)?;
+        let view = RequestView {
+            id: &id,
+            num_computed_tokens: 0,
+            num_tokens: 0,
+            num_prompt_tokens,
+            waiting_or_preempted: false,
+            hint: None,
+        };
+        let mut pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
+        Ok(core.cache_blocks::<Error>(
+            pool.core_mut(),
+            &view,
             n,
             HashSource {
                 len: &mut || Ok(len),
@@ -740,31 +1004,120 @@ impl PyUnitaryFullAttention {
         )?)
     }
 
-    /// SPEC MGR-29.
-    fn take_new_block_ids(slf: &Bound<'_, Self>) -> PyResult<Vec<BlockId>> {
-        Ok(lock(slf, "manager")?.tables.take_new_block_ids())
+    /// MGR-20 by request id (the coordinator's `free`).
+    #[pyo3(signature = (request_id, retention = None))]
+    fn coordinator_free(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        retention: Option<&Bound<'_, PyRetention>>,
+    ) -> PyResult<()> {
+        let id = request_id_of(request_id)?;
+        let retention = retention.map_or(Retention::DEFAULT, |r| r.get().retention());
+        self.free_id(py, id, retention)
     }
 
-    /// Number of requests with a block-table entry (`len(req_to_blocks)`).
-    fn num_requests(slf: &Bound<'_, Self>) -> PyResult<usize> {
-        Ok(lock(slf, "manager")?.tables.num_entries())
-    }
-
-    /// Whether the request is running (has a cached-block count).
-    fn is_running(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+    /// MGR-21 by request id.
+    fn coordinator_pop_blocks_for_free(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<BlockId>> {
         let id = id_key(request_id_of(request_id)?)?;
-        Ok(lock(slf, "manager")?.tables.is_running(&id))
+        Ok(self.me()?.lock(py)?.pop(&id))
     }
 
-    /// The request's cached-block count, or None when it is not running.
-    fn num_cached_blocks(
-        slf: &Bound<'_, Self>,
+    // ----------------------------------------------------------------------------------------
+    // One group's state (kvcore.single_type's views)
+
+    /// Number of requests with an entry in group `group` (`len(req_to_blocks)`).
+    fn group_num_requests(&self, py: Python<'_>, group: usize) -> PyResult<usize> {
+        let core = self.me()?.lock(py)?;
+        Ok(group_of(&core, group)?.tables.num_entries())
+    }
+
+    /// The request's blocks in group `group`, or None without an entry.
+    fn group_blocks(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        request_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Vec<BlockId>>> {
+        let id = id_key(request_id_of(request_id)?)?;
+        let core = self.me()?.lock(py)?;
+        let t = &group_of(&core, group)?.tables;
+        Ok(t.contains(&id).then(|| t.blocks(&id).to_vec()))
+    }
+
+    /// The request's cached-block count in group `group`, or None when it is not running.
+    fn group_num_cached_blocks(
+        &self,
+        py: Python<'_>,
+        group: usize,
         request_id: &Bound<'_, PyAny>,
     ) -> PyResult<Option<usize>> {
         let id = id_key(request_id_of(request_id)?)?;
-        Ok(lock(slf, "manager")?
+        let core = self.me()?.lock(py)?;
+        Ok(group_of(&core, group)?
             .tables
             .get(&id)
             .and_then(|r| r.num_cached))
     }
+
+    /// The ids of the requests with an entry in group `group`.
+    fn group_request_ids(&self, py: Python<'_>, group: usize) -> PyResult<Vec<String>> {
+        let core = self.me()?.lock(py)?;
+        Ok(group_of(&core, group)?
+            .tables
+            .request_ids()
+            .map(str::to_owned)
+            .collect())
+    }
+
+    /// The reserved sink blocks of group `group` (SINK-1).
+    fn group_sink_blocks(&self, py: Python<'_>, group: usize) -> PyResult<Vec<BlockId>> {
+        let core = self.me()?.lock(py)?;
+        Ok(group_of(&core, group)?.sink_blocks().to_vec())
+    }
+
+    /// Checks every group's tables and the pool; raises `InvariantViolationError` naming the
+    /// first violation.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        let me = self.me()?;
+        let core = me.lock(py)?;
+        let pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
+        core.check_invariants(pool.core())
+            .map_err(|e| to_pyerr(PoolError::Invariant(e)))
+    }
+
+    /// Number of groups.
+    #[getter]
+    fn num_groups(&self) -> PyResult<usize> {
+        Ok(self.me()?.num_groups)
+    }
+}
+
+impl PyManagerCore {
+    fn free_id(&self, py: Python<'_>, id: &Bound<'_, PyString>, retention: Retention) -> PyResult<()> {
+        let me = self.me()?;
+        // The clock is read before the manager is held.
+        let now = if retention.ttl_s().is_some() {
+            PyBlockPool::now(me.pool(py))?
+        } else {
+            0.0
+        };
+        let key = id_key(id)?;
+        let mut core = me.lock(py)?;
+        let mut pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
+        core.free(pool.core_mut(), &key, retention, now)
+            .map_err(Error::Pool)?;
+        pool.note_deadlines();
+        Ok(())
+    }
+}
+
+fn group_of(core: &Coordinator, group: usize) -> PyResult<&kvcore_core::single_type::SingleTypeManager> {
+    core.groups
+        .get(group)
+        .ok_or_else(|| invalid(format!("no group {group}")))
 }

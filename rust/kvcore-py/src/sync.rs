@@ -4,7 +4,7 @@
 //! a call runs Python code (a duck-typed request's property, an event's metadata, a collection's
 //! finalizer), and a second thread's call on the same object must then neither fail (PyO3's own
 //! borrow check would raise `RuntimeError("Already borrowed")`) nor touch the state.
-//! [`crate::pool::PyBlockPool`] and [`crate::manager::PyUnitaryFullAttention`] therefore keep
+//! [`crate::pool::PyBlockPool`] and [`crate::manager::PyManagerCore`] therefore keep
 //! their state in a [`GilCell`] and every method holds it through [`lock`]: a call that finds it
 //! held by another thread waits with the GIL released until that call ends, so calls from many
 //! threads are serialised and none fails. A call that finds it held by its own thread is a
@@ -108,8 +108,15 @@ pub fn lock<'a, T>(obj: &'a Bound<'_, T>, what: &str) -> PyResult<Held<'a, T::St
 where
     T: PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Guarded + Sync,
 {
-    let py = obj.py();
-    let cell = obj.get().cell();
+    lock_cell(obj.py(), obj.get().cell(), what)
+}
+
+/// Holds `cell`, as [`lock`] does; `py` proves the GIL is held.
+///
+/// # Errors
+/// `InvariantViolationError` for a re-entrant call (this thread's call holds it).
+#[inline]
+pub fn lock_cell<'a, T>(py: Python<'_>, cell: &'a GilCell<T>, what: &str) -> PyResult<Held<'a, T>> {
     loop {
         if let Ok(value) = cell.value.try_borrow_mut() {
             cell.owner.set(current_thread(py));

@@ -1,0 +1,1114 @@
+//! The request-level manager of any KV-cache configuration (SPEC §8–9): one
+//! [`SingleTypeManager`] per group sharing one pool, the coordinator rules over them (hit
+//! search over all groups, including the hybrid fixed point; the caching lengths; summing and
+//! applying the groups' allocations) and `allocate_slots`. The caller (the Python package)
+//! chooses the configuration's policy: which coordinator ([`Mode`]), the groups' types and
+//! which groups are looked up together ([`AttentionGroup`]).
+//!
+//! Request ids are strings, as in the reference. Nothing here knows about Python.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use crate::error::PoolError;
+use crate::events::{MetaRequest, StoredMeta};
+use crate::full_attention::SlotHint;
+use crate::hash::BlockHash;
+use crate::pool::retention::Retention;
+use crate::pool::{BlockId, BlockPool, HashSource};
+use crate::single_type::{GroupConfig, HashList, HashView, HitBlocks, Kind, SingleTypeManager};
+
+#[inline]
+fn cdiv(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+/// Whether `need` blocks and `watermark` more fit in `free` blocks less `reserved`, in exact
+/// arithmetic (the reference compares Python ints; Mamba's `need` may be negative).
+#[inline]
+fn fits(need: i64, watermark: usize, free: usize, reserved: i64) -> bool {
+    i128::from(need) + watermark as i128 <= free as i128 - i128::from(reserved)
+}
+
+/// Which coordinator the configuration uses (SPEC COORD-1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Prefix caching off, any number of groups (COORD-8).
+    NoPrefixCache,
+    /// One group (COORD-7).
+    Unitary,
+    /// Several groups of different specs (COORD-9..12).
+    Hybrid,
+}
+
+/// Groups with equal specs, looked up together (SPEC COORD-9).
+#[derive(Debug, Clone)]
+pub struct AttentionGroup {
+    /// Member group ids (indexes into the coordinator's groups).
+    pub group_ids: Vec<u32>,
+    /// Whether any member is an EAGLE group.
+    pub use_eagle: bool,
+    /// Whether the spec is a full-attention spec (the fixed point's full-attention rule).
+    pub is_full: bool,
+}
+
+/// How the coordinator is built.
+#[derive(Debug, Clone)]
+pub struct CoordinatorConfig {
+    /// The coordinator.
+    pub mode: Mode,
+    /// The groups, in group order.
+    pub groups: Vec<GroupConfig>,
+    /// Groups whose hits drop the EAGLE block.
+    pub eagle_groups: Vec<bool>,
+    /// Hybrid only: the attention groups, full-attention ones first.
+    pub attention_groups: Vec<AttentionGroup>,
+    /// Longest sequence.
+    pub max_model_len: usize,
+    /// Blocks kept free when admitting waiting requests (MGR-1).
+    pub watermark_blocks: usize,
+    /// The scheduling granularity.
+    pub scheduler_block_size: usize,
+    /// The sparse retention interval (RET-1), if set.
+    pub retention_interval: Option<usize>,
+}
+
+/// What `allocate_slots` reads from the request (SPEC REQ-1).
+#[derive(Debug, Clone, Copy)]
+pub struct RequestView<'a> {
+    /// `request.request_id`.
+    pub id: &'a str,
+    /// `request.num_computed_tokens`.
+    pub num_computed_tokens: usize,
+    /// `request.num_tokens`.
+    pub num_tokens: usize,
+    /// `request.num_prompt_tokens`.
+    pub num_prompt_tokens: usize,
+    /// Whether `request.status` is WAITING or PREEMPTED (ALLOC-3).
+    pub waiting_or_preempted: bool,
+    /// Where the request's entry in group 0 was last seen, if the caller kept it.
+    pub hint: Option<SlotHint>,
+}
+
+/// The arguments of `allocate_slots` (SPEC §8.1).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AllocateArgs<'a> {
+    /// Tokens to compute this step.
+    pub num_new_tokens: usize,
+    /// New prefix-cache hit tokens.
+    pub num_new_computed_tokens: usize,
+    /// The hit blocks per group; `None` when the caller passed no hits object or the shared
+    /// empty one (ALLOC-8's identity test).
+    pub new_computed_blocks: Option<&'a [Vec<BlockId>]>,
+    /// Speculative slots.
+    pub num_lookahead_tokens: usize,
+    /// Tokens computed by a KV connector.
+    pub num_external_computed_tokens: usize,
+    /// Skip caching this step.
+    pub delay_cache_blocks: bool,
+    /// Encoder tokens (cross-attention groups).
+    pub num_encoder_tokens: usize,
+    /// Admission gate on the whole sequence.
+    pub full_sequence_must_fit: bool,
+    /// Free blocks to leave for others.
+    pub reserved_blocks: i64,
+    /// Whether other requests are scheduled this step.
+    pub has_scheduled_reqs: bool,
+}
+
+/// The newly allocated blocks of one call: per group, a range of the request's table.
+pub type NewBlocks = Vec<Range<usize>>;
+
+/// A request's hashes at the hash block size, read lazily (only when blocks fill).
+pub type Hashes<'a, E> = HashSource<'a, E>;
+
+/// The request-level manager; see the module docs.
+#[derive(Debug, Clone)]
+pub struct Coordinator {
+    /// The groups' managers, in group order.
+    pub groups: Vec<SingleTypeManager>,
+    mode: Mode,
+    attention: Vec<AttentionGroup>,
+    simple: bool,
+    max_model_len: usize,
+    watermark_blocks: usize,
+    scheduler_block_size: usize,
+    hash_block_size: usize,
+    retention_interval: Option<usize>,
+    context_parallel: usize,
+    skippers: Vec<usize>,
+    all_base: bool,
+    /// Set by each hybrid lookup: the longest hit seen minus the hit kept (COORD-11).
+    pub num_uncached_common_prefix_tokens: usize,
+}
+
+/// What `remove_skipped_blocks` may change, so a refused allocation can undo it.
+struct SkipUndo {
+    had: Vec<bool>,
+    saved: Vec<(usize, Option<Vec<BlockId>>)>,
+}
+
+impl Coordinator {
+    /// Builds the managers (a sink group reserves its blocks now) and checks the
+    /// configuration (COORD-2, COORD-7, COORD-9).
+    ///
+    /// # Errors
+    /// [`PoolError::Config`] for inconsistent sizes or groups; the pool's error when it cannot
+    /// provide sink blocks.
+    pub fn new(pool: &mut BlockPool, cfg: CoordinatorConfig) -> Result<Self, PoolError> {
+        let sbs = cfg.scheduler_block_size;
+        let hbs = pool.hash_block_size();
+        if cfg.groups.is_empty() {
+            return Err(PoolError::Config("a KV cache configuration needs a group".into()));
+        }
+        if hbs == 0 || sbs == 0 || !sbs.is_multiple_of(hbs) {
+            return Err(PoolError::Config(format!(
+                "scheduler_block_size={sbs} must be a multiple of hash_block_size={hbs}"
+            )));
+        }
+        if cfg.eagle_groups.len() != cfg.groups.len() {
+            return Err(PoolError::Config("one EAGLE flag per group".into()));
+        }
+        let cp = cfg.groups[0].dcp_world_size.max(1) * cfg.groups[0].pcp_world_size.max(1);
+        let mut groups = Vec::with_capacity(cfg.groups.len());
+        for (g, &eagle) in cfg.groups.iter().zip(&cfg.eagle_groups) {
+            if g.spec_block_size == 0 || !sbs.is_multiple_of(g.spec_block_size) {
+                return Err(PoolError::Config(format!(
+                    "scheduler_block_size={sbs} must be a multiple of every group block size"
+                )));
+            }
+            let mut m = SingleTypeManager::new(pool, *g)?;
+            m.use_eagle = eagle;
+            groups.push(m);
+        }
+        match cfg.mode {
+            Mode::Unitary => {
+                if groups.len() != 1 {
+                    return Err(PoolError::Config(
+                        "the unitary coordinator needs exactly one group".into(),
+                    ));
+                }
+                if pool.enable_caching() && hbs != groups[0].block_size() {
+                    return Err(PoolError::Config(format!(
+                        "one group needs hash_block_size ({hbs}) == block_size ({})",
+                        groups[0].block_size()
+                    )));
+                }
+            }
+            Mode::Hybrid => {
+                if groups.iter().any(|g| !g.block_size().is_multiple_of(hbs)) {
+                    return Err(PoolError::Config(
+                        "every group block size must be divisible by hash_block_size".into(),
+                    ));
+                }
+                if cp != 1 {
+                    return Err(PoolError::Config(
+                        "hybrid KV cache groups do not support dcp/pcp > 1".into(),
+                    ));
+                }
+                if cfg.attention_groups.len() < 2 {
+                    return Err(PoolError::Config(
+                        "the hybrid coordinator needs at least two attention groups".into(),
+                    ));
+                }
+                let mut seen = vec![false; groups.len()];
+                for ag in &cfg.attention_groups {
+                    if ag.group_ids.is_empty() {
+                        return Err(PoolError::Config("an empty attention group".into()));
+                    }
+                    let first = &groups[*ag.group_ids.first().unwrap_or(&0) as usize];
+                    for &gid in &ag.group_ids {
+                        let g = groups.get(gid as usize).ok_or_else(|| {
+                            PoolError::Config(format!("attention group names group {gid}"))
+                        })?;
+                        if std::mem::replace(&mut seen[gid as usize], true)
+                            || g.kind() != first.kind()
+                            || g.spec_block_size() != first.spec_block_size()
+                        {
+                            return Err(PoolError::Config(
+                                "attention groups must split the groups by equal specs".into(),
+                            ));
+                        }
+                    }
+                }
+                if seen.iter().any(|s| !s) {
+                    return Err(PoolError::Config(
+                        "every group must be in an attention group".into(),
+                    ));
+                }
+            }
+            Mode::NoPrefixCache => {}
+        }
+        let simple = cfg.mode == Mode::Hybrid
+            && cfg.attention_groups.len() == 2
+            && cfg.attention_groups[0].is_full;
+        let skippers = (0..groups.len())
+            .filter(|&i| groups[i].kind().skips())
+            .collect();
+        let all_base = groups.iter().all(|g| g.kind().base_allocation());
+        Ok(Self {
+            groups,
+            mode: cfg.mode,
+            attention: cfg.attention_groups,
+            simple,
+            max_model_len: cfg.max_model_len,
+            watermark_blocks: cfg.watermark_blocks,
+            scheduler_block_size: sbs,
+            hash_block_size: hbs,
+            retention_interval: cfg.retention_interval,
+            context_parallel: cp,
+            skippers,
+            all_base,
+            num_uncached_common_prefix_tokens: 0,
+        })
+    }
+
+    /// The coordinator.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Longest sequence.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    /// The scheduling granularity.
+    pub fn scheduler_block_size(&self) -> usize {
+        self.scheduler_block_size
+    }
+
+    /// Number of groups.
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Whether a group's `remove_skipped_blocks` can change anything.
+    pub fn has_skippers(&self) -> bool {
+        !self.skippers.is_empty()
+    }
+
+    /// Whether the request is running in some group.
+    pub fn is_running(&self, id: &str) -> bool {
+        self.groups.iter().any(|g| g.is_running(id))
+    }
+
+    /// The request's blocks per group (empty when unknown).
+    pub fn blocks(&self, id: &str) -> Vec<&[BlockId]> {
+        self.groups.iter().map(|g| g.blocks(id)).collect()
+    }
+
+    /// The hashes of group `g` as a view of the hash-block-size list.
+    fn view<'h>(&self, hashes: &'h dyn HashList, spec_block_size: usize) -> HashView<'h> {
+        HashView {
+            hashes,
+            stride: (spec_block_size / self.hash_block_size).max(1),
+        }
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Lookup
+
+    /// The longest prefix hit over all groups in at most `max_cache_hit_length` tokens
+    /// (COORD-7, COORD-8, COORD-11): the hit blocks per group and the hit length.
+    ///
+    /// # Errors
+    /// The groups' lookup errors (see [`SingleTypeManager::find_longest_cache_hit`]).
+    pub fn find_longest_cache_hit(
+        &mut self,
+        pool: &BlockPool,
+        hashes: &dyn HashList,
+        max_cache_hit_length: usize,
+    ) -> Result<(HitBlocks, usize), PoolError> {
+        let n = self.groups.len();
+        match self.mode {
+            Mode::NoPrefixCache => Ok((vec![Vec::new(); n], 0)),
+            Mode::Unitary => {
+                let g = &self.groups[0];
+                let hit = SingleTypeManager::find_longest_cache_hit(
+                    g.kind(),
+                    pool,
+                    HashView { hashes, stride: 1 },
+                    max_cache_hit_length,
+                    &[0],
+                    g.spec_block_size(),
+                    g.use_eagle,
+                    g.block_size(),
+                    self.context_parallel,
+                )?;
+                let len = hit[0].len() * g.block_size();
+                Ok((hit, len))
+            }
+            Mode::Hybrid => self.hybrid_hit(pool, hashes, max_cache_hit_length),
+        }
+    }
+
+    /// COORD-11's fixed point.
+    fn hybrid_hit(
+        &mut self,
+        pool: &BlockPool,
+        hashes: &dyn HashList,
+        max_len: usize,
+    ) -> Result<(HitBlocks, usize), PoolError> {
+        let mut res: Vec<Option<Vec<BlockId>>> = vec![None; self.groups.len()];
+        let mut verified = vec![false; self.attention.len()];
+        let mut hit_length = max_len;
+        let mut longest = 0;
+        let sbs = self.scheduler_block_size;
+        loop {
+            let mut cur = hit_length;
+            for (idx, ag) in self.attention.iter().enumerate() {
+                let rep = &self.groups[ag.group_ids[0] as usize];
+                let bs = rep.spec_block_size();
+                if ag.is_full && res[ag.group_ids[0] as usize].is_some() {
+                    cur = cur / bs * bs;
+                    continue;
+                }
+                let drop = ag.use_eagle && !verified[idx];
+                let limit = if drop { (cur + bs).min(max_len) } else { cur };
+                let hit = SingleTypeManager::find_longest_cache_hit(
+                    rep.kind(),
+                    pool,
+                    self.view(hashes, bs),
+                    limit,
+                    &ag.group_ids,
+                    bs,
+                    drop,
+                    sbs,
+                    1,
+                )?;
+                let new = hit.first().map_or(0, Vec::len) * bs;
+                if drop {
+                    verified[idx] = true;
+                } else if new < cur {
+                    verified.iter_mut().for_each(|v| *v = false);
+                }
+                cur = new;
+                for (&gid, blocks) in ag.group_ids.iter().zip(hit) {
+                    res[gid as usize] = Some(blocks);
+                }
+                longest = longest.max(cur);
+            }
+            if cur >= hit_length {
+                break;
+            }
+            hit_length = cur;
+            if self.simple {
+                break;
+            }
+        }
+        let first = &self.attention[0];
+        if first.is_full {
+            let bs = self.groups[first.group_ids[0] as usize].spec_block_size();
+            for &gid in &first.group_ids {
+                if let Some(kept) = res[gid as usize].as_mut() {
+                    kept.truncate(hit_length / bs);
+                }
+            }
+        }
+        self.num_uncached_common_prefix_tokens = longest.saturating_sub(hit_length);
+        Ok((res.into_iter().map(Option::unwrap_or_default).collect(), hit_length))
+    }
+
+    /// COORD-12: every attention group looked up on its own; hit blocks and hit length per
+    /// group.
+    ///
+    /// # Errors
+    /// The groups' lookup errors; [`PoolError::Invalid`] outside hybrid configurations.
+    pub fn find_longest_cache_hit_per_group(
+        &self,
+        pool: &BlockPool,
+        hashes: &dyn HashList,
+        max_cache_hit_length: usize,
+    ) -> Result<(HitBlocks, Vec<usize>), PoolError> {
+        if self.mode != Mode::Hybrid {
+            return Err(PoolError::Invalid(
+                "per-group lookups need the hybrid coordinator".into(),
+            ));
+        }
+        let n = self.groups.len();
+        let (mut blocks, mut lengths) = (vec![Vec::new(); n], vec![0; n]);
+        for ag in &self.attention {
+            let rep = &self.groups[ag.group_ids[0] as usize];
+            let bs = rep.spec_block_size();
+            let hit = SingleTypeManager::find_longest_cache_hit(
+                rep.kind(),
+                pool,
+                self.view(hashes, bs),
+                max_cache_hit_length,
+                &ag.group_ids,
+                bs,
+                ag.use_eagle,
+                self.scheduler_block_size,
+                1,
+            )?;
+            let len = hit.first().map_or(0, Vec::len) * bs;
+            for (&gid, b) in ag.group_ids.iter().zip(hit) {
+                blocks[gid as usize] = b;
+                lengths[gid as usize] = len;
+            }
+        }
+        Ok((blocks, lengths))
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Counting and allocating
+
+    /// COORD-3: the blocks an allocation takes from the free queue, summed over the groups
+    /// (cross-attention groups count the encoder tokens).
+    ///
+    /// # Errors
+    /// [`PoolError::Invariant`] when a running request is given hits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn get_num_blocks_to_allocate(
+        &self,
+        pool: &BlockPool,
+        id: &str,
+        num_tokens: usize,
+        hits: Option<&[Vec<BlockId>]>,
+        num_encoder_tokens: usize,
+        total_computed_tokens: usize,
+        num_tokens_main_model: usize,
+        apply_admission_cap: bool,
+    ) -> Result<i64, PoolError> {
+        let mut total = 0i64;
+        for (i, g) in self.groups.iter().enumerate() {
+            total += if g.kind() == Kind::CrossAttention {
+                g.get_num_blocks_to_allocate(
+                    pool,
+                    id,
+                    num_encoder_tokens,
+                    &[],
+                    0,
+                    num_encoder_tokens,
+                    apply_admission_cap,
+                )?
+            } else {
+                let h = hits.and_then(|h| h.get(i)).map_or(&[][..], Vec::as_slice);
+                g.get_num_blocks_to_allocate(
+                    pool,
+                    id,
+                    num_tokens,
+                    h,
+                    total_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap,
+                )?
+            };
+        }
+        Ok(total)
+    }
+
+    /// COORD-5: a request that is not running takes its hits in every group, then blocks for
+    /// external tokens; a running one is left alone.
+    ///
+    /// # Errors
+    /// [`PoolError::Invariant`] for hits given to a running request; the groups' errors.
+    pub fn allocate_new_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        hits: Option<&[Vec<BlockId>]>,
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+    ) -> Result<(), PoolError> {
+        let any_hits = hits.is_some_and(|h| h.iter().any(|g| !g.is_empty()));
+        if self.is_running(id) {
+            if any_hits {
+                return Err(PoolError::Invariant(
+                    "a running request cannot have new prefix hits".into(),
+                ));
+            }
+            return Ok(());
+        }
+        for (i, g) in self.groups.iter_mut().enumerate() {
+            let h = hits.and_then(|h| h.get(i)).map_or(&[][..], Vec::as_slice);
+            g.add_local_computed_blocks(
+                pool,
+                id,
+                h,
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+            )?;
+        }
+        if num_external_computed_tokens > 0 {
+            for g in &mut self.groups {
+                g.allocate_external_computed_blocks(
+                    pool,
+                    id,
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// COORD-3: gives every group enough slots; the new blocks per group.
+    ///
+    /// # Errors
+    /// The pool's when it cannot provide the blocks.
+    pub fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        num_tokens: usize,
+        num_tokens_main_model: usize,
+        num_encoder_tokens: usize,
+    ) -> Result<NewBlocks, PoolError> {
+        self.groups
+            .iter_mut()
+            .map(|g| {
+                let n = if g.kind() == Kind::CrossAttention {
+                    num_encoder_tokens
+                } else {
+                    num_tokens
+                };
+                g.allocate_new_blocks(pool, id, n, num_tokens_main_model)
+            })
+            .collect()
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Caching
+
+    /// The token count each group caches up to (COORD-6; hybrid: COORD-10's scheduler-aligned
+    /// length plus the EAGLE block).
+    pub fn cache_length(&self, group: usize, num_computed_tokens: usize) -> usize {
+        if self.mode != Mode::Hybrid {
+            return num_computed_tokens;
+        }
+        let sbs = self.scheduler_block_size;
+        let aligned = num_computed_tokens / sbs * sbs;
+        let g = &self.groups[group];
+        if g.use_eagle && aligned > 0 {
+            num_computed_tokens.min(aligned + g.block_size())
+        } else {
+            aligned
+        }
+    }
+
+    /// COORD-6 / COORD-10: caches the request's full blocks in every group. `hashes` is the
+    /// request's hash list at the hash block size.
+    ///
+    /// # Errors
+    /// The groups' caching errors (see [`SingleTypeManager::cache_blocks`]).
+    pub fn cache_blocks<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &RequestView<'_>,
+        num_computed_tokens: usize,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<(), E> {
+        let hashes = RefCell::new(hashes);
+        for i in 0..self.groups.len() {
+            let n = self.cache_length(i, num_computed_tokens);
+            self.cache_group(pool, i, req, n, &hashes, meta)?;
+        }
+        Ok(())
+    }
+
+    /// Caches group `i` up to `n` tokens, reading the hashes at its block size.
+    fn cache_group<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        i: usize,
+        req: &RequestView<'_>,
+        n: usize,
+        hashes: &RefCell<HashSource<'_, E>>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<(), E> {
+        let g = &mut self.groups[i];
+        let k = (g.block_size() / self.hash_block_size).max(1);
+        let mut len = || -> Result<usize, E> {
+            let mut h = hashes.borrow_mut();
+            Ok((h.len)()? / k)
+        };
+        let mut get = |j: usize| -> Result<BlockHash, E> {
+            let mut h = hashes.borrow_mut();
+            (h.get)((j + 1) * k - 1)
+        };
+        g.cache_blocks(
+            pool,
+            req.id,
+            n,
+            self.retention_interval,
+            req.num_prompt_tokens,
+            HashSource {
+                len: &mut len,
+                get: &mut get,
+            },
+            meta,
+        )
+    }
+
+    /// Refuses, before anything changes, where [`Self::cache_blocks`] would fail part-way: a
+    /// group caching `f` full blocks needs `f` blocks (when `held`) and `f` hashes at its
+    /// block size. `hits` count as cached for a request that is not running (STM-4).
+    ///
+    /// # Errors
+    /// [`PoolError::MissingBlocks`] or [`PoolError::Invalid`].
+    pub fn check_cacheable(
+        &self,
+        id: &str,
+        num_computed_tokens: usize,
+        held: bool,
+        hits: Option<&[Vec<BlockId>]>,
+        num_hashes: usize,
+    ) -> Result<(), PoolError> {
+        for (i, g) in self.groups.iter().enumerate() {
+            let bs = g.block_size();
+            let full = self.cache_length(i, num_computed_tokens) / bs;
+            let entry = g.tables.get(id);
+            let cached = match entry.and_then(|r| r.num_cached) {
+                Some(c) => c,
+                None => hits.and_then(|h| h.get(i)).map_or(0, Vec::len),
+            };
+            if cached >= full {
+                continue;
+            }
+            if held {
+                let have = entry.map_or(0, |r| r.blocks.len());
+                if have < full {
+                    return Err(PoolError::MissingBlocks(format!(
+                        "request {id} holds {have} blocks in group {i}, fewer than the {full} \
+                         full ones"
+                    )));
+                }
+            }
+            if num_hashes / (bs / self.hash_block_size).max(1) < full {
+                return Err(PoolError::Invalid(format!(
+                    "request {id} has {num_hashes} block hashes, too few for its {full} full \
+                     blocks of {bs} tokens"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Skipping and freeing
+
+    /// MGR-22: frees the blocks outside every group's attention window.
+    ///
+    /// # Errors
+    /// Only if the pool's counts were corrupted from outside.
+    pub fn remove_skipped_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        total_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
+    ) -> Result<(), PoolError> {
+        for &i in &self.skippers {
+            self.groups[i].remove_skipped_blocks(pool, id, total_computed_tokens, num_prompt_tokens)?;
+        }
+        Ok(())
+    }
+
+    /// MGR-20: frees the request in every group, in group order.
+    ///
+    /// # Errors
+    /// Only if the pool's counts were corrupted from outside.
+    pub fn free(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        retention: Retention,
+        now: f64,
+    ) -> Result<(), PoolError> {
+        for g in &mut self.groups {
+            g.free(pool, id, retention, now)?;
+        }
+        Ok(())
+    }
+
+    /// MGR-21: forgets the request; all its blocks, group by group, in allocation order.
+    pub fn pop(&mut self, id: &str) -> Vec<BlockId> {
+        self.groups.iter_mut().flat_map(|g| g.pop(id)).collect()
+    }
+
+    /// MGR-22: per group, the leading blocks every tracked request shares (0 without caching).
+    pub fn get_num_common_prefix_blocks(&mut self, pool: &BlockPool, id: &str) -> Vec<usize> {
+        if self.mode == Mode::NoPrefixCache {
+            return vec![0; self.groups.len()];
+        }
+        self.groups
+            .iter_mut()
+            .map(|g| g.get_num_common_prefix_blocks(pool, id))
+            .collect()
+    }
+
+    /// MGR-29: the recorded new block ids, group by group.
+    pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        self.groups
+            .iter_mut()
+            .flat_map(SingleTypeManager::take_new_block_ids)
+            .collect()
+    }
+
+    /// MGR-30.
+    pub fn new_step_starts(&mut self) {
+        self.groups
+            .iter_mut()
+            .for_each(SingleTypeManager::new_step_starts);
+    }
+
+    /// Checks every group's tables and the pool.
+    ///
+    /// # Errors
+    /// A message naming the first violation.
+    pub fn check_invariants(&self, pool: &BlockPool) -> Result<(), String> {
+        for g in &self.groups {
+            g.check_invariants(pool)?;
+        }
+        pool.check_invariants()
+    }
+
+    // ------------------------------------------------------------------------------------
+    // allocate_slots
+
+    fn snapshot(&self, id: &str) -> SkipUndo {
+        SkipUndo {
+            had: self.groups.iter().map(|g| g.tables.contains(id)).collect(),
+            saved: self
+                .skippers
+                .iter()
+                .map(|&i| (i, self.groups[i].tables.get(id).map(|r| r.blocks.clone())))
+                .collect(),
+        }
+    }
+
+    /// Puts back what `remove_skipped_blocks` changed: touches the freed blocks again (which
+    /// restores their counts and takes them off the queue's end) and drops created entries.
+    fn restore(&mut self, pool: &mut BlockPool, id: &str, undo: SkipUndo) -> Result<(), PoolError> {
+        let mut freed = Vec::new();
+        for (i, old) in undo.saved {
+            let Some(cur) = self.groups[i].tables.get_mut(id) else {
+                continue;
+            };
+            let old = old.unwrap_or_default();
+            freed.extend(
+                old.iter()
+                    .zip(&cur.blocks)
+                    .filter(|(a, b)| a != b)
+                    .map(|(a, _)| *a),
+            );
+            cur.blocks = old;
+        }
+        pool.touch(&freed)?;
+        for (g, had) in self.groups.iter_mut().zip(undo.had) {
+            if !had && g.tables.get(id).is_some_and(|r| r.blocks.is_empty()) {
+                g.tables.pop(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses with [`PoolError::NotEnoughFreeBlocks`], changing nothing, when touching the
+    /// hits (STM-4), the external-token blocks (STM-5) and the new blocks (STM-3) need more
+    /// blocks than are free although the capacity check passed. Groups that are not of the
+    /// base rules are not simulated.
+    fn check_allocation_fits(
+        &self,
+        pool: &BlockPool,
+        id: &str,
+        hits: Option<&[Vec<BlockId>]>,
+        total: usize,
+        ext: usize,
+        need_slot: usize,
+        computed: bool,
+    ) -> Result<(), PoolError> {
+        if !self.all_base {
+            return Ok(());
+        }
+        let running = self.is_running(id);
+        let mut touched: Vec<BlockId> = Vec::new();
+        let mut pops = 0usize;
+        for (i, g) in self.groups.iter().enumerate() {
+            let bs = g.block_size();
+            let mut length = g.blocks(id).len();
+            if computed && !running {
+                let skipped_tokens = g.get_num_skipped_tokens(total);
+                let skipped = skipped_tokens / bs;
+                let h = hits.and_then(|h| h.get(i)).map_or(&[][..], Vec::as_slice);
+                let h = &h[skipped.min(h.len())..];
+                if pool.enable_caching() {
+                    touched.extend(h.iter().filter(|&&b| b != 0 && pool.ref_cnt(b) == 0));
+                }
+                length = skipped + h.len();
+                let e = if skipped_tokens > 0 {
+                    (total - skipped_tokens).min(ext)
+                } else {
+                    ext
+                };
+                if e > 0 {
+                    let n = cdiv(total, bs).saturating_sub(length);
+                    pops += n;
+                    length += n;
+                }
+            }
+            pops += cdiv(need_slot, bs).saturating_sub(length);
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        let free = pool.get_num_free_blocks().saturating_sub(touched.len());
+        if pops > free {
+            return Err(PoolError::NotEnoughFreeBlocks {
+                requested: pops,
+                free,
+            });
+        }
+        Ok(())
+    }
+
+    /// `allocate_slots` for a request running in every group without hits or external
+    /// tokens, when every group keeps the base rules: the general path's decisions with one
+    /// table lookup per group. `Ok(None)`: not running; `Ok(Some(None))`: does not fit.
+    #[allow(clippy::too_many_arguments)]
+    fn allocate_running<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &RequestView<'_>,
+        args: &AllocateArgs<'_>,
+        total: usize,
+        main: usize,
+        need_slot: usize,
+        wm: usize,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<Option<Option<NewBlocks>>, E> {
+        let caching = pool.enable_caching() && !args.delay_cache_blocks;
+        let to_cache = main.min(req.num_tokens);
+        let mut need = 0usize;
+        // One lookup per group: the slot (group 0 through the caller's hint).
+        let mut slots = [0u32; 8];
+        if self.groups.len() > slots.len() {
+            return Ok(None);
+        }
+        for (i, g) in self.groups.iter().enumerate() {
+            let hint = if i == 0 { req.hint } else { None };
+            let Some(slot) = g.tables.resolve(req.id, hint) else {
+                return Ok(None);
+            };
+            let e = g.tables.at_slot(slot);
+            if e.num_cached.is_none() {
+                return Ok(None);
+            }
+            slots[i] = slot;
+        }
+        // The hash count matters only for a group with blocks to cache (rarely: when a block
+        // fills), so the request's hash list is read only then.
+        if caching
+            && self.groups.iter().enumerate().any(|(i, g)| {
+                let cached = g.tables.at_slot(slots[i]).num_cached.unwrap_or(0);
+                cached < self.cache_length(i, to_cache) / g.block_size()
+            })
+        {
+            let num_hashes = (hashes.len)()?;
+            self.check_cacheable(req.id, to_cache, false, None, num_hashes)?;
+        }
+        for &i in &self.skippers {
+            self.groups[i].remove_skipped_blocks(pool, req.id, total, Some(req.num_prompt_tokens))?;
+        }
+        for (i, g) in self.groups.iter().enumerate() {
+            let have = g.tables.at_slot(slots[i]).blocks.len();
+            need += cdiv(need_slot, g.block_size()).saturating_sub(have);
+        }
+        if (need > 0 || wm > 0 || args.reserved_blocks != 0)
+            && !fits(need as i64, wm, pool.get_num_free_blocks(), args.reserved_blocks)
+        {
+            return Ok(Some(None));
+        }
+        let mut out = Vec::with_capacity(self.groups.len());
+        for (i, g) in self.groups.iter_mut().enumerate() {
+            out.push(g.tables.grow_slot(pool, slots[i], cdiv(need_slot, g.block_size()))?);
+        }
+        if caching {
+            let hashes = RefCell::new(hashes);
+            for i in 0..self.groups.len() {
+                let n = self.cache_length(i, to_cache);
+                let g = &self.groups[i];
+                if g.tables.at_slot(slots[i]).num_cached.unwrap_or(0) < n / g.block_size() {
+                    self.cache_group(pool, i, req, n, &hashes, meta)?;
+                }
+            }
+        }
+        Ok(Some(Some(out)))
+    }
+
+    /// SPEC ALLOC-1..13: the new blocks per group, or `None` when they do not fit. `hashes`
+    /// (the request's hashes at the hash block size) and `meta` feed ALLOC-11's caching.
+    ///
+    /// # Errors
+    /// Bad arguments before any change ([`PoolError::Invalid`], [`PoolError::Invariant`]);
+    /// [`PoolError::NotEnoughFreeBlocks`] where the reference fails part-way (nothing
+    /// changes); caching errors.
+    pub fn allocate_slots<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        req: RequestView<'_>,
+        args: AllocateArgs<'_>,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<Option<NewBlocks>, E> {
+        let ext = args.num_external_computed_tokens;
+        if args.num_new_tokens == 0 && ext == 0 {
+            return Err(PoolError::Invalid(
+                "num_new_tokens must be greater than 0 when there are no external computed tokens"
+                    .into(),
+            )
+            .into());
+        }
+        let hits = args.new_computed_blocks;
+        if let Some(h) = hits {
+            if h.len() != self.groups.len() {
+                return Err(PoolError::Invalid(format!(
+                    "new_computed_blocks has {} groups, the manager has {}",
+                    h.len(),
+                    self.groups.len()
+                ))
+                .into());
+            }
+            if h.iter().any(|g| !g.is_empty()) && self.is_running(req.id) {
+                return Err(PoolError::Invariant(format!(
+                    "request {} is running and cannot take new prefix hits",
+                    req.id
+                ))
+                .into());
+            }
+        }
+        let mml = self.max_model_len;
+        // Token sums saturate: each is capped by `max_model_len` or `num_tokens`, so the
+        // capped value is the exact one.
+        let local = req
+            .num_computed_tokens
+            .saturating_add(args.num_new_computed_tokens);
+        let uncapped = local.saturating_add(ext);
+        let total = uncapped.min(mml);
+        let wm = if args.has_scheduled_reqs && req.waiting_or_preempted {
+            self.watermark_blocks
+        } else {
+            0
+        };
+        let main = total.saturating_add(args.num_new_tokens);
+        let need_slot = main.saturating_add(args.num_lookahead_tokens).min(mml);
+        let caching = pool.enable_caching() && !args.delay_cache_blocks;
+        let to_cache = main.min(req.num_tokens);
+        if hits.is_none() && ext == 0 && !args.full_sequence_must_fit && self.all_base {
+            let reborrowed = HashSource {
+                len: &mut *hashes.len,
+                get: &mut *hashes.get,
+            };
+            if let Some(out) = self.allocate_running(
+                pool, &req, &args, total, main, need_slot, wm, reborrowed, meta,
+            )? {
+                return Ok(out);
+            }
+        }
+        // Refusals the reference makes part-way (after freeing, touching or allocating) are
+        // made here, before anything changes.
+        if self.has_skippers() && uncapped > mml {
+            return Err(PoolError::Invalid(format!(
+                "computed tokens ({uncapped}) beyond max_model_len ({mml}) with sliding-window \
+                 groups"
+            ))
+            .into());
+        }
+        if args.num_new_computed_tokens > 0 && hits.is_none() && self.has_skippers() {
+            return Err(PoolError::Invalid(
+                "num_new_computed_tokens must come with the hit blocks it counts".into(),
+            )
+            .into());
+        }
+        let computed = hits.is_some() || ext > 0;
+        let running = self.is_running(req.id);
+        if computed && !running && self.groups.iter().any(|g| !g.blocks(req.id).is_empty()) {
+            return Err(PoolError::Invariant(format!(
+                "request {} holds blocks and cannot take prefix hits or external tokens",
+                req.id
+            ))
+            .into());
+        }
+        if caching {
+            let num_hashes = (hashes.len)()?;
+            self.check_cacheable(req.id, to_cache, false, hits, num_hashes)?;
+        }
+        if args.full_sequence_must_fit {
+            let full = req.num_tokens.min(mml);
+            let need = self.get_num_blocks_to_allocate(
+                pool,
+                req.id,
+                full,
+                hits,
+                args.num_encoder_tokens,
+                total,
+                full,
+                true,
+            )?;
+            if !fits(need, wm, pool.get_num_free_blocks(), 0) {
+                return Ok(None);
+            }
+        }
+        // `need` (STM-2) may undercount what is then allocated: external-token blocks are not
+        // capped by max_model_len, and a window group pads its skipped blocks only from hits.
+        // The reference then fails after ALLOC-6's frees; kvcore checks first and undoes them.
+        let undo = (ext > 0 || (self.has_skippers() && !running)).then(|| self.snapshot(req.id));
+        self.remove_skipped_blocks(pool, req.id, total, Some(req.num_prompt_tokens))?;
+        let need = self.get_num_blocks_to_allocate(
+            pool,
+            req.id,
+            need_slot,
+            hits,
+            args.num_encoder_tokens,
+            uncapped,
+            main,
+            false,
+        )?;
+        if !fits(need, wm, pool.get_num_free_blocks(), args.reserved_blocks) {
+            return Ok(None);
+        }
+        if let Some(undo) = undo {
+            if let Err(e) =
+                self.check_allocation_fits(pool, req.id, hits, uncapped, ext, need_slot, computed)
+            {
+                self.restore(pool, req.id, undo)?;
+                return Err(e.into());
+            }
+        }
+        if computed {
+            self.allocate_new_computed_blocks(pool, req.id, hits, local, ext)?;
+        }
+        let new = self.allocate_new_blocks(pool, req.id, need_slot, main, args.num_encoder_tokens)?;
+        if caching {
+            self.cache_blocks(pool, &req, to_cache, hashes, meta)?;
+        }
+        Ok(Some(new))
+    }
+
+    /// MGR-26: per group, the leading block ids covering `num_computed_tokens`, in the spec's
+    /// block size; Mamba, cross-attention and (with `clip[i] == false`) other groups give all.
+    pub fn block_ids_for_computed_tokens(
+        &self,
+        id: &str,
+        num_computed_tokens: usize,
+        clip: &[bool],
+    ) -> Vec<&[BlockId]> {
+        self.groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let blocks = g.blocks(id);
+                if clip.get(i).copied().unwrap_or(false) {
+                    let keep = num_computed_tokens
+                        .div_ceil(g.spec_block_size())
+                        .min(blocks.len());
+                    &blocks[..keep]
+                } else {
+                    blocks
+                }
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,965 @@
+//! The per-group block managers of every attention type (SPEC §10–15): one
+//! [`SingleTypeManager`] per KV-cache group, holding each request's block table in that group
+//! ([`FullAttentionTables`]) and the type's rules for hit search, allocation, caching, skipping
+//! and freeing. The request-level coordinator ([`crate::coordinator`]) drives them; nothing
+//! here knows about Python.
+//!
+//! Counts follow the reference: token counts are `usize`, and a rule that subtracts may go
+//! below zero where the reference's Python ints do (Mamba's align-mode block count); those
+//! results are `i64`.
+
+use hashbrown::{HashMap, HashSet};
+
+use crate::error::PoolError;
+use crate::events::{MetaRequest, StoredMeta};
+use crate::full_attention::FullAttentionTables;
+use crate::hash::BlockHash;
+use crate::pool::retention::Retention;
+use crate::pool::{BlockId, BlockPool, HashSource};
+
+#[inline]
+fn cdiv(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+const NULL: BlockId = 0;
+
+/// How a Mamba group keeps its state blocks (SPEC §14).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MambaMode {
+    /// One state block per request, never cached.
+    None,
+    /// A state block per block of tokens.
+    All,
+    /// State blocks at scheduler-block boundaries, recycled two steps later.
+    Align,
+}
+
+/// The attention type of a group, with its parameters: which manager rules apply (SPEC-1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Full attention (also TQ, MLA and hidden-state caches).
+    Full,
+    /// Full attention that frees decode blocks between the prompt and a window (RSWA-1).
+    ReferenceSlidingWindow {
+        /// The decode window in tokens.
+        window: usize,
+    },
+    /// Full attention with `sink_len` tokens of reserved blocks (SINK-1).
+    Sink {
+        /// Sink tokens (a positive multiple of the block size).
+        sink_len: usize,
+    },
+    /// Sliding-window attention (§12).
+    SlidingWindow {
+        /// The window in tokens.
+        window: usize,
+    },
+    /// Chunked local attention (§13).
+    ChunkedLocal {
+        /// Tokens per chunk.
+        chunk: usize,
+    },
+    /// Mamba state (§14).
+    Mamba {
+        /// The cache mode.
+        mode: MambaMode,
+        /// Extra blocks for speculative decoding.
+        num_speculative_blocks: usize,
+    },
+    /// Cross-attention of encoder-decoder models (XATTN-1).
+    CrossAttention,
+}
+
+impl Kind {
+    /// Whether the type's hits are the full-attention prefix scan (FA-1).
+    pub fn is_full(self) -> bool {
+        matches!(
+            self,
+            Self::Full | Self::ReferenceSlidingWindow { .. } | Self::Sink { .. }
+        )
+    }
+
+    /// Whether `remove_skipped_blocks` can free anything for this type (STM-7, RSWA-1,
+    /// MAMBA-3).
+    pub fn skips(self) -> bool {
+        !matches!(self, Self::Full | Self::Sink { .. } | Self::CrossAttention)
+    }
+
+    /// Whether the type keeps the base rules for counting, allocating and caching (STM-2,
+    /// STM-3, STM-6): every type but Mamba and cross-attention.
+    pub fn base_allocation(self) -> bool {
+        !matches!(self, Self::Mamba { .. } | Self::CrossAttention)
+    }
+}
+
+/// How one group is built.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupConfig {
+    /// The attention type.
+    pub kind: Kind,
+    /// The spec's block size.
+    pub spec_block_size: usize,
+    /// The decode and prefill context-parallel world sizes (the group's block size is
+    /// `spec_block_size * dcp * pcp`, STM-1).
+    pub dcp_world_size: usize,
+    /// See `dcp_world_size`.
+    pub pcp_world_size: usize,
+    /// The group id.
+    pub group_id: u32,
+    /// Whether new block ids are recorded (MGR-29's exact-type test).
+    pub record_new_ids: bool,
+    /// The admission cap in blocks (SWA-1, CLA-1), if any.
+    pub admission_cap: Option<usize>,
+    /// Whether prefix caching is on.
+    pub enable_caching: bool,
+    /// The scheduling granularity in tokens (a multiple of the block size).
+    pub scheduler_block_size: usize,
+}
+
+/// Mamba's per-step and align-mode state (MAMBA-4..8).
+#[derive(Debug, Clone, Default)]
+struct MambaState {
+    /// Hashes of the blocks cached during the current step (MAMBA-6).
+    cached_this_step: HashSet<BlockHash>,
+    /// Align mode: per request, the index of the state block of two steps ago.
+    last_state_block_idx: HashMap<String, usize>,
+    /// Align mode: requests that have been allocated once.
+    allocated: HashSet<String>,
+}
+
+/// A request's block hashes at the hash block size, read by index (a caller may convert them
+/// lazily, so a hit search that stops early reads few).
+pub trait HashList {
+    /// Number of hashes.
+    fn len(&self) -> usize;
+    /// Hash `i` (`i < len`); `None` reads as a miss.
+    fn get(&self, i: usize) -> Option<BlockHash>;
+}
+
+impl HashList for &[BlockHash] {
+    fn len(&self) -> usize {
+        <[BlockHash]>::len(self)
+    }
+    fn get(&self, i: usize) -> Option<BlockHash> {
+        <[BlockHash]>::get(self, i).copied()
+    }
+}
+
+/// A request's hashes at one group's block size (SPEC RH-3): entry `j` is entry
+/// `(j + 1) * stride - 1` of the hash-block-size list.
+#[derive(Clone, Copy)]
+pub struct HashView<'a> {
+    /// The hashes at the hash block size.
+    pub hashes: &'a dyn HashList,
+    /// Group block size over hash block size.
+    pub stride: usize,
+}
+
+impl std::fmt::Debug for HashView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HashView(len={}, stride={})", self.len(), self.stride)
+    }
+}
+
+impl HashView<'_> {
+    /// Number of hashes at the group's block size.
+    pub fn len(&self) -> usize {
+        self.hashes.len() / self.stride
+    }
+
+    /// Whether the view is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Hash `j` at the group's block size, if there is one.
+    pub fn get(&self, j: usize) -> Option<BlockHash> {
+        if j >= self.len() {
+            return None;
+        }
+        self.hashes.get((j + 1) * self.stride - 1)
+    }
+
+    /// The hashes `start..end` at the group's block size, up to the first that cannot be
+    /// read.
+    pub fn range(&self, start: usize, end: usize) -> impl Iterator<Item = BlockHash> + '_ {
+        (start..end.min(self.len())).map_while(move |j| self.get(j))
+    }
+}
+
+/// Per-group hit block ids, as a hit search returns them.
+pub type HitBlocks = Vec<Vec<BlockId>>;
+
+/// The manager of one KV-cache group (SPEC STM-1..12 with the type's rules).
+#[derive(Debug, Clone)]
+pub struct SingleTypeManager {
+    kind: Kind,
+    block_size: usize,
+    spec_block_size: usize,
+    admission_cap: Option<usize>,
+    enable_caching: bool,
+    scheduler_block_size: usize,
+    /// Whether this group's hits drop the EAGLE block (set by the coordinator).
+    pub use_eagle: bool,
+    /// The request tables.
+    pub tables: FullAttentionTables,
+    mamba: MambaState,
+    sink_blocks: Vec<BlockId>,
+}
+
+impl SingleTypeManager {
+    /// Builds the manager; a sink group takes its blocks off the free queue now (SINK-1).
+    ///
+    /// # Errors
+    /// [`PoolError::Config`] for a zero block size, a scheduler block size it does not
+    /// divide, or a sink length that is not a positive multiple of the block size; the pool's
+    /// error when it cannot provide the sink blocks.
+    pub fn new(pool: &mut BlockPool, cfg: GroupConfig) -> Result<Self, PoolError> {
+        let cp = cfg.dcp_world_size.max(1) * cfg.pcp_world_size.max(1);
+        let block_size = cfg.spec_block_size * cp;
+        if block_size == 0 {
+            return Err(PoolError::Config("block_size must be positive".into()));
+        }
+        let mut sink_blocks = Vec::new();
+        if let Kind::Sink { sink_len } = cfg.kind {
+            if sink_len == 0 || !sink_len.is_multiple_of(block_size) {
+                return Err(PoolError::Config(format!(
+                    "sink_len={sink_len} must be a positive multiple of block_size={block_size}"
+                )));
+            }
+            // The pool has no "off the queue at ref 0" state: the sink blocks are ordinary
+            // allocations, out of the queue for good.
+            sink_blocks = pool.get_new_blocks(sink_len / block_size)?;
+        }
+        Ok(Self {
+            kind: cfg.kind,
+            block_size,
+            spec_block_size: cfg.spec_block_size,
+            admission_cap: cfg.admission_cap,
+            enable_caching: cfg.enable_caching,
+            scheduler_block_size: cfg.scheduler_block_size,
+            use_eagle: false,
+            tables: FullAttentionTables::new(block_size, cfg.group_id, cfg.record_new_ids),
+            mamba: MambaState::default(),
+            sink_blocks,
+        })
+    }
+
+    /// The attention type.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Tokens per block (`spec_block_size * dcp * pcp`).
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The spec's block size.
+    pub fn spec_block_size(&self) -> usize {
+        self.spec_block_size
+    }
+
+    /// The group id.
+    pub fn group_id(&self) -> u32 {
+        self.tables.group_id()
+    }
+
+    /// The reserved sink blocks (SINK-1; empty for other types).
+    pub fn sink_blocks(&self) -> &[BlockId] {
+        &self.sink_blocks
+    }
+
+    /// The request's blocks (empty when unknown).
+    pub fn blocks(&self, id: &str) -> &[BlockId] {
+        self.tables.blocks(id)
+    }
+
+    /// Whether the request is running in this group (has a cached-block count).
+    pub fn is_running(&self, id: &str) -> bool {
+        self.tables.is_running(id)
+    }
+
+    /// The admission cap in blocks (SWA-1, CLA-1).
+    pub fn admission_cap(&self) -> Option<usize> {
+        self.admission_cap
+    }
+
+    /// Tokens outside the attention window after `n` computed tokens (STM-9, SWA-2, CLA-2,
+    /// MAMBA-1; Mamba's `n - 1` is 0 for `n == 0`, which every rule reads alike).
+    pub fn get_num_skipped_tokens(&self, n: usize) -> usize {
+        match self.kind {
+            Kind::SlidingWindow { window } => (n + 1).saturating_sub(window),
+            Kind::ChunkedLocal { chunk } => n / chunk * chunk,
+            Kind::Mamba { .. } => n.saturating_sub(1),
+            _ => 0,
+        }
+    }
+
+    fn mamba_params(&self) -> Option<(bool, usize)> {
+        match self.kind {
+            Kind::Mamba {
+                mode,
+                num_speculative_blocks,
+            } => Some((mode == MambaMode::Align, num_speculative_blocks)),
+            _ => None,
+        }
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Capacity and allocation
+
+    /// STM-2 (with MAMBA-4): blocks an allocation for `num_tokens` slots takes from the free
+    /// queue. Negative only in Mamba's align mode, where the reference's count is too.
+    ///
+    /// # Errors
+    /// [`PoolError::Invariant`] when a running request is given hits.
+    pub fn get_num_blocks_to_allocate(
+        &self,
+        pool: &BlockPool,
+        id: &str,
+        mut num_tokens: usize,
+        hits: &[BlockId],
+        total_computed_tokens: usize,
+        num_tokens_main_model: usize,
+        apply_admission_cap: bool,
+    ) -> Result<i64, PoolError> {
+        if let Some((align, ns)) = self.mamba_params() {
+            if let Some(&last) = hits.last() {
+                if !self.mamba.cached_this_step.is_empty() {
+                    let key = pool.primary_key(last).map(|(k, _)| k.hash);
+                    if key.is_some_and(|k| self.mamba.cached_this_step.contains(&k)) {
+                        return Ok(pool.num_blocks() as i64 + 1);
+                    }
+                }
+            }
+            if align {
+                let required = cdiv(num_tokens_main_model, self.block_size) + ns;
+                let have = self.blocks(id).len();
+                let mut new = required as i64 - hits.len() as i64 - have as i64;
+                if new > 0 {
+                    new = if self.mamba.allocated.contains(id) {
+                        1
+                    } else {
+                        1 + ns as i64
+                    };
+                }
+                return Ok(new + pool.count_evictable(hits) as i64);
+            }
+            num_tokens = num_tokens.saturating_add(self.spec_block_size * ns);
+        }
+        let bs = self.block_size;
+        let mut required = cdiv(num_tokens, bs);
+        if let Some(cap) = self.admission_cap.filter(|_| apply_admission_cap) {
+            required = required.min(cap);
+        }
+        let (have, running) = self
+            .tables
+            .get(id)
+            .map_or((0, false), |r| (r.blocks.len(), r.num_cached.is_some()));
+        if running {
+            if !hits.is_empty() {
+                return Err(PoolError::Invariant(
+                    "a running request cannot have new prefix hits".into(),
+                ));
+            }
+            return Ok(required.saturating_sub(have) as i64);
+        }
+        let skipped = self.get_num_skipped_tokens(total_computed_tokens) / bs;
+        let new = required.saturating_sub(skipped.max(hits.len() + have));
+        let start = skipped.saturating_sub(have).min(hits.len());
+        Ok((new + pool.count_evictable(&hits[start..])) as i64)
+    }
+
+    /// STM-4: a request with no blocks starts with its (touched) hits, after null blocks for
+    /// the tokens outside the window.
+    ///
+    /// # Errors
+    /// [`PoolError::Invariant`] when the request holds blocks, hits come with caching off, or
+    /// a cross-attention group gets hits; nothing changes.
+    pub fn add_local_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        hits: &[BlockId],
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+    ) -> Result<(), PoolError> {
+        if self.kind == Kind::CrossAttention {
+            if !hits.is_empty() {
+                return Err(PoolError::Invariant(
+                    "cross-attention has no prefix hits".into(),
+                ));
+            }
+            return Ok(());
+        }
+        if !self.blocks(id).is_empty() {
+            return Err(PoolError::Invariant(format!(
+                "request {id} already holds blocks"
+            )));
+        }
+        let total = num_local_computed_tokens.saturating_add(num_external_computed_tokens);
+        let skipped = self.get_num_skipped_tokens(total) / self.block_size;
+        let hits = &hits[skipped.min(hits.len())..];
+        if self.enable_caching {
+            pool.touch(hits)?;
+        } else if !hits.is_empty() {
+            return Err(PoolError::Invariant(
+                "prefix hits given while prefix caching is off".into(),
+            ));
+        }
+        let e = self.tables.entry(id);
+        e.blocks.resize(skipped, NULL);
+        e.blocks.extend_from_slice(hits);
+        e.num_cached = Some(e.blocks.len());
+        Ok(())
+    }
+
+    /// STM-5: blocks for the tokens a KV connector computed.
+    ///
+    /// # Errors
+    /// The pool's when it cannot provide them; nothing changes.
+    pub fn allocate_external_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+    ) -> Result<(), PoolError> {
+        if self.kind == Kind::CrossAttention {
+            return Ok(());
+        }
+        let total = num_local_computed_tokens.saturating_add(num_external_computed_tokens);
+        let skipped = self.get_num_skipped_tokens(total);
+        let mut ext = num_external_computed_tokens;
+        if skipped > 0 {
+            ext = ext.min(total - skipped);
+        }
+        if ext == 0 {
+            return Ok(());
+        }
+        self.grow_to(pool, id, cdiv(total, self.block_size))
+            .map(|_| ())
+    }
+
+    /// Grows the request's table to `want` blocks, recording the new ids; returns the index
+    /// of the first new block.
+    fn grow_to(&mut self, pool: &mut BlockPool, id: &str, want: usize) -> Result<usize, PoolError> {
+        let e = self.tables.entry(id);
+        let have = e.blocks.len();
+        if want <= have {
+            return Ok(have);
+        }
+        pool.get_new_blocks_into(want - have, &mut e.blocks)?;
+        let new = e.blocks[have..].to_vec();
+        self.tables.record(&new);
+        Ok(have)
+    }
+
+    /// STM-3 (with MAMBA-5): gives the request at least `num_tokens` slots; returns the range
+    /// of its table that is new (in align mode, the blocks placed this call).
+    ///
+    /// # Errors
+    /// The pool's when it cannot provide the blocks (nothing changes), or
+    /// [`PoolError::Invariant`] when align mode would allocate more than its step allows.
+    pub fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        mut num_tokens: usize,
+        num_tokens_main_model: usize,
+    ) -> Result<std::ops::Range<usize>, PoolError> {
+        if let Some((align, ns)) = self.mamba_params() {
+            if align {
+                return self.allocate_align(pool, id, num_tokens_main_model, ns);
+            }
+            num_tokens = num_tokens.saturating_add(self.block_size * ns);
+        }
+        let want = cdiv(num_tokens, self.block_size);
+        let have = self.grow_to(pool, id, want)?;
+        Ok(have..have.max(want))
+    }
+
+    /// MAMBA-5 in align mode: the state block moves to the step's boundary, the blocks
+    /// behind it become null, and at most one block (the first time `1 + ns`) is new.
+    fn allocate_align(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        num_tokens_main_model: usize,
+        ns: usize,
+    ) -> Result<std::ops::Range<usize>, PoolError> {
+        let required = cdiv(num_tokens_main_model, self.block_size) + ns;
+        let prev = self.tables.entry(id).blocks.len();
+        if required <= prev {
+            return Ok(prev..prev);
+        }
+        let seen = self.mamba.allocated.contains(id);
+        let skipped = required - ns - 1;
+        let moves = if seen {
+            (prev.saturating_sub(ns)..prev).take_while(|&j| j < skipped).count()
+        } else {
+            0
+        };
+        let n = required.saturating_sub(prev.max(skipped) + moves);
+        // Refused before anything changes (the reference fails after moving blocks).
+        if n > if seen { 1 } else { ns + 1 } {
+            return Err(PoolError::Invariant(format!(
+                "Mamba align mode would allocate {n} blocks at once"
+            )));
+        }
+        if n > pool.get_num_free_blocks() {
+            return Err(PoolError::NotEnoughFreeBlocks {
+                requested: n,
+                free: pool.get_num_free_blocks(),
+            });
+        }
+        let last = if seen {
+            prev.checked_sub(1 + ns)
+        } else {
+            prev.checked_sub(1)
+        };
+        if let Some(last) = last {
+            self.mamba.last_state_block_idx.insert(id.to_owned(), last);
+        }
+        let e = self.tables.entry(id);
+        if prev < skipped {
+            e.blocks.resize(skipped, NULL);
+        }
+        for j in prev.saturating_sub(ns)..prev.saturating_sub(ns) + moves {
+            let b = e.blocks[j];
+            e.blocks.push(b);
+            e.blocks[j] = NULL;
+        }
+        if n > 0 {
+            pool.get_new_blocks_into(n, &mut e.blocks)?;
+        }
+        self.mamba.allocated.insert(id.to_owned());
+        Ok(prev..self.tables.blocks(id).len())
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Caching
+
+    /// STM-6 (with SWA-4's and MAMBA-7's masks and MAMBA-6's bookkeeping): enters the
+    /// request's newly full blocks into the prefix cache. `hashes` is the request's hash view
+    /// at this group's block size.
+    ///
+    /// # Errors
+    /// [`PoolError::Invalid`] for a cross-attention group (its blocks are never cached);
+    /// [`PoolError::MissingBlocks`] when the request holds fewer blocks than are full; the
+    /// pool's errors. Nothing changes then.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cache_blocks<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        num_tokens: usize,
+        retention_interval: Option<usize>,
+        num_prompt_tokens: usize,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<(), E> {
+        if self.kind == Kind::CrossAttention {
+            return Err(PoolError::Invalid(
+                "cross-attention blocks are never cached; disable prefix caching".into(),
+            )
+            .into());
+        }
+        let bs = self.block_size;
+        let cached = self.tables.get(id).and_then(|r| r.num_cached).unwrap_or(0);
+        let full = num_tokens / bs;
+        if cached >= full {
+            return Ok(());
+        }
+        let mask = self.reachable_block_mask(cached, full, retention_interval, num_prompt_tokens)?;
+        let gid = self.group_id();
+        let e = self.tables.entry(id);
+        let new = e.blocks.get(cached..full).ok_or_else(|| {
+            PoolError::MissingBlocks(format!(
+                "request {id} holds {} blocks, fewer than the {full} full ones",
+                e.blocks.len()
+            ))
+        })?;
+        pool.cache_full_blocks(new, cached, full, bs, gid, mask.as_deref(), hashes, meta)?;
+        if matches!(self.kind, Kind::Mamba { .. }) {
+            for &b in new.iter().filter(|&&b| b != NULL) {
+                if let Some((k, _)) = pool.primary_key(b) {
+                    self.mamba.cached_this_step.insert(k.hash);
+                }
+            }
+        }
+        e.num_cached = Some(full);
+        Ok(())
+    }
+
+    /// Which of the blocks `start..end` caching stores (SWA-4, MAMBA-7); `None`: all.
+    ///
+    /// # Errors
+    /// [`PoolError::Invariant`] when the scheduler block size is not a multiple of the block
+    /// size.
+    pub fn reachable_block_mask(
+        &self,
+        start: usize,
+        end: usize,
+        retention_interval: Option<usize>,
+        num_prompt_tokens: usize,
+    ) -> Result<Option<Vec<bool>>, PoolError> {
+        let alignment = self.scheduler_block_size;
+        let bs = self.spec_block_size;
+        match self.kind {
+            Kind::SlidingWindow { window } => {
+                if !alignment.is_multiple_of(bs) {
+                    return Err(PoolError::Invariant(
+                        "alignment must be a multiple of the block size".into(),
+                    ));
+                }
+                let need = sliding_window_need(window, bs, self.use_eagle);
+                let shift = usize::from(self.use_eagle);
+                let mut mask = vec![false; end - start];
+                let segment = match retention_interval {
+                    None => Some(alignment),
+                    Some(0) => None,
+                    Some(r) => Some(r),
+                };
+                if let Some(segment) = segment {
+                    let per = segment / bs;
+                    if need >= per {
+                        return Ok(None);
+                    }
+                    for i in start.max(shift)..end {
+                        if (i - shift) % per >= per - need {
+                            mask[i - start] = true;
+                        }
+                    }
+                }
+                if retention_interval.is_some() && num_prompt_tokens > 0 {
+                    let latest = (num_prompt_tokens - 1) / alignment * alignment;
+                    let prompt_end = latest / bs + shift;
+                    for i in start.max(prompt_end.saturating_sub(need))..end.min(prompt_end) {
+                        mask[i - start] = true;
+                    }
+                }
+                Ok(Some(mask))
+            }
+            Kind::Mamba { .. } => {
+                let Some(interval) = retention_interval else {
+                    return Ok(None);
+                };
+                let mut mask = vec![false; end - start];
+                if interval != 0 {
+                    let per = interval / bs;
+                    if per <= 1 {
+                        return Ok(None);
+                    }
+                    let first = (start + per) / per * per - 1;
+                    for i in (first - start..mask.len()).step_by(per) {
+                        mask[i] = true;
+                    }
+                }
+                if num_prompt_tokens > 0 {
+                    let latest = (num_prompt_tokens - 1) / alignment * alignment;
+                    if let Some(boundary) = (latest / bs).checked_sub(1) {
+                        if (start..end).contains(&boundary) {
+                            mask[boundary - start] = true;
+                        }
+                    }
+                }
+                Ok(Some(mask))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Freeing
+
+    /// STM-10 (with MAMBA-8): forgets the request; returns its blocks in allocation order.
+    pub fn pop(&mut self, id: &str) -> Vec<BlockId> {
+        if self.mamba_params().is_some_and(|(align, _)| align) {
+            self.mamba.allocated.remove(id);
+            self.mamba.last_state_block_idx.remove(id);
+        }
+        self.tables.pop(id)
+    }
+
+    /// MGR-20: frees the request's blocks, last first, placing the cached ones by
+    /// `retention` (kvcore extension) read at `now`. Unknown ids do nothing.
+    ///
+    /// # Errors
+    /// Only if the pool's counts were corrupted from outside; the state is then unchanged.
+    pub fn free(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        retention: Retention,
+        now: f64,
+    ) -> Result<(), PoolError> {
+        if !self.tables.contains(id) {
+            return Ok(());
+        }
+        pool.free_blocks_retained(self.blocks(id).iter().rev().copied(), retention, now)?;
+        self.pop(id);
+        Ok(())
+    }
+
+    /// STM-8: frees `first..last` back to front, stopping at the first null, replacing them
+    /// by the null block.
+    fn remove_blocks_in_range(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        first: usize,
+        last: usize,
+    ) -> Result<(), PoolError> {
+        let Some(e) = self.tables.get_mut(id) else {
+            return Ok(());
+        };
+        if first >= last {
+            return Ok(());
+        }
+        let last = last.min(e.blocks.len());
+        let mut freed = Vec::new();
+        for i in (first..last).rev() {
+            let b = e.blocks[i];
+            if b == NULL {
+                break;
+            }
+            freed.push(b);
+        }
+        pool.free_blocks(&freed)?;
+        for b in &mut e.blocks[last - freed.len()..last] {
+            *b = NULL;
+        }
+        Ok(())
+    }
+
+    /// STM-7 (with RSWA-1, SWA-2, MAMBA-3): frees the blocks the attention no longer reads.
+    ///
+    /// # Errors
+    /// Only if the pool's counts were corrupted from outside.
+    pub fn remove_skipped_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        total_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
+    ) -> Result<(), PoolError> {
+        let bs = self.block_size;
+        match self.kind {
+            Kind::Full | Kind::Sink { .. } | Kind::CrossAttention => Ok(()),
+            Kind::ReferenceSlidingWindow { window } => {
+                let Some(prompt) = num_prompt_tokens else {
+                    return Ok(());
+                };
+                let first = cdiv(prompt, bs);
+                let window_start = prompt.max(total_computed_tokens.saturating_sub(window));
+                self.remove_blocks_in_range(pool, id, first, window_start / bs)
+            }
+            Kind::SlidingWindow { .. } => {
+                let skipped = self.get_num_skipped_tokens(total_computed_tokens);
+                if skipped == 0 {
+                    return Ok(());
+                }
+                let blocks = &self.tables.entry(id).blocks;
+                let n = (skipped / bs).min(blocks.len());
+                // STM-8 walks back from n - 1 and stops at the first null: nothing to do then.
+                if n > 0 && blocks[n - 1] != NULL {
+                    self.remove_blocks_in_range(pool, id, 0, n)?;
+                }
+                Ok(())
+            }
+            Kind::ChunkedLocal { .. } => self.remove_base(pool, id, total_computed_tokens),
+            Kind::Mamba {
+                mode,
+                num_speculative_blocks,
+            } => {
+                let n = total_computed_tokens.saturating_sub(num_speculative_blocks);
+                self.remove_base(pool, id, n)?;
+                if mode == MambaMode::Align {
+                    let last = self.mamba.last_state_block_idx.get(id).copied();
+                    if let Some(last) = last.filter(|&l| l + 1 < cdiv(n, bs)) {
+                        let e = self.tables.entry(id);
+                        if let Some(&b) = e.blocks.get(last).filter(|&&b| b != NULL) {
+                            pool.free_blocks(&[b])?;
+                            e.blocks[last] = NULL;
+                        }
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// STM-7's base rule.
+    fn remove_base(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        total_computed_tokens: usize,
+    ) -> Result<(), PoolError> {
+        let skipped = self.get_num_skipped_tokens(total_computed_tokens);
+        if skipped == 0 {
+            return Ok(());
+        }
+        let n = (skipped / self.block_size).min(self.tables.entry(id).blocks.len());
+        self.remove_blocks_in_range(pool, id, 0, n)
+    }
+
+    /// MGR-30: a new scheduler step (MAMBA-6 forgets the step's cached hashes).
+    pub fn new_step_starts(&mut self) {
+        self.mamba.cached_this_step.clear();
+    }
+
+    /// STM-12 / FA-2: the request's leading blocks shared by every request with an entry (0
+    /// for types other than full attention).
+    pub fn get_num_common_prefix_blocks(&mut self, pool: &BlockPool, id: &str) -> usize {
+        if self.kind.is_full() {
+            self.tables.get_num_common_prefix_blocks(pool, id)
+        } else {
+            0
+        }
+    }
+
+    /// MGR-29: drains the recorded new block ids.
+    pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        self.tables.take_new_block_ids()
+    }
+
+    /// Checks the tables against the pool ([`FullAttentionTables::check_invariants`]).
+    ///
+    /// # Errors
+    /// A message naming the first violation.
+    pub fn check_invariants(&self, pool: &BlockPool) -> Result<(), String> {
+        self.tables.check_invariants(pool)
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Lookup
+
+    /// The type's hit search (FA-1, SWA-3, CLA-3, MAMBA-2): the longest cached prefix of at
+    /// most `max_length` tokens, per group of `group_ids` (which share this type and block
+    /// size). `hashes` is the view at the spec's block size.
+    ///
+    /// # Errors
+    /// [`PoolError::Invariant`] for lookups the type does not support (context parallelism
+    /// for the window types, EAGLE with chunked local attention, an alignment other than the
+    /// block size for chunked local attention); [`PoolError::Unsupported`] for
+    /// cross-attention.
+    #[allow(clippy::too_many_arguments)]
+    pub fn find_longest_cache_hit(
+        kind: Kind,
+        pool: &BlockPool,
+        hashes: HashView<'_>,
+        max_length: usize,
+        group_ids: &[u32],
+        spec_block_size: usize,
+        drop_eagle_block: bool,
+        alignment_tokens: usize,
+        context_parallel: usize,
+    ) -> Result<HitBlocks, PoolError> {
+        let empty = || vec![Vec::new(); group_ids.len()];
+        let no_cp = || {
+            if context_parallel == 1 {
+                Ok(())
+            } else {
+                Err(PoolError::Invariant(
+                    "this attention type's lookups need dcp == pcp == 1".into(),
+                ))
+            }
+        };
+        match kind {
+            Kind::Full | Kind::ReferenceSlidingWindow { .. } | Kind::Sink { .. } => {
+                let bs = spec_block_size * context_parallel;
+                let max_blocks = max_length / bs;
+                let mut hit = if max_blocks > 0 {
+                    pool.longest_cached_prefix(hashes.range(0, max_blocks), group_ids)
+                } else {
+                    empty()
+                };
+                let pop_all = |hit: &mut HitBlocks| hit.iter_mut().for_each(|h| {
+                    h.pop();
+                });
+                if drop_eagle_block && hit.first().is_some_and(|h| !h.is_empty()) {
+                    pop_all(&mut hit);
+                }
+                if bs != alignment_tokens {
+                    while hit
+                        .first()
+                        .is_some_and(|h| !(h.len() * bs).is_multiple_of(alignment_tokens))
+                    {
+                        pop_all(&mut hit);
+                    }
+                }
+                Ok(hit)
+            }
+            Kind::SlidingWindow { window } => {
+                no_cp()?;
+                let bs = spec_block_size;
+                let need = sliding_window_need(window, bs, drop_eagle_block);
+                let mut at = |j: usize| -> Result<Option<BlockHash>, PoolError> { Ok(hashes.get(j)) };
+                pool.sliding_window_hit(
+                    max_length / bs,
+                    &mut at,
+                    group_ids,
+                    need,
+                    bs,
+                    alignment_tokens,
+                    drop_eagle_block,
+                )
+            }
+            Kind::ChunkedLocal { chunk } => {
+                if drop_eagle_block {
+                    return Err(PoolError::Invariant(
+                        "eagle is not supported with chunked local attention".into(),
+                    ));
+                }
+                no_cp()?;
+                let bs = spec_block_size;
+                if bs != alignment_tokens {
+                    return Err(PoolError::Invariant(
+                        "chunked local attention needs alignment equal to its block size".into(),
+                    ));
+                }
+                let max_blocks = max_length / bs;
+                let start = max_length / chunk * chunk / bs;
+                let hits = pool.longest_cached_prefix(hashes.range(start, max_blocks), group_ids);
+                Ok(hits
+                    .into_iter()
+                    .map(|h| {
+                        let mut v = vec![NULL; start];
+                        v.extend(h);
+                        v
+                    })
+                    .collect())
+            }
+            Kind::Mamba { .. } => {
+                no_cp()?;
+                let bs = spec_block_size;
+                let mut at = |j: usize| -> Result<Option<BlockHash>, PoolError> { Ok(hashes.get(j)) };
+                let found =
+                    pool.last_aligned_hit(max_length / bs, &mut at, group_ids, bs, alignment_tokens)?;
+                Ok(match found {
+                    None => empty(),
+                    Some((i, hit)) => hit
+                        .into_iter()
+                        .map(|b| {
+                            let mut v = vec![NULL; i];
+                            v.push(b);
+                            v
+                        })
+                        .collect(),
+                })
+            }
+            Kind::CrossAttention => Err(PoolError::Unsupported(
+                "cross-attention does not support prefix caching".into(),
+            )),
+        }
+    }
+}
+
+/// SWA-3: consecutive hit blocks that cover a window.
+fn sliding_window_need(window: usize, block_size: usize, use_eagle: bool) -> usize {
+    cdiv(window.saturating_sub(1), block_size) + usize::from(use_eagle)
+}
