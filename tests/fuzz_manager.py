@@ -1,7 +1,7 @@
 """Differential fuzzing of ``kvcore.KVCacheManager`` against the reference's.
 
-:class:`ManagerFuzzer` builds both managers from one :class:`difftrace.TraceConfig` (kvcore on
-its native single-group path, or forced onto the Python coordinators) and applies a drawn
+:class:`ManagerFuzzer` builds both managers from one :class:`difftrace.TraceConfig` (one full
+group with and without caching, and a hybrid full + sliding-window one) and applies a drawn
 sequence of manager calls with awkward arguments: counts from :func:`fuzz_values.counts`
 (negative, huge, bools, floats, None), request ids that collide, are unknown, non-ASCII or lone
 surrogates, hits from an earlier lookup, from another request or of the wrong shape, calls on
@@ -27,7 +27,6 @@ from fuzz_harness import Divergence, Outcome, attempt, judge
 from fuzz_values import counts, id_lists, request_ids, token_values, wrap
 
 import kvcore
-from kvcore.manager import KVCacheManager
 
 __all__ = ["MANAGER_CONFIGS", "ManagerFuzzer", "manager_programs"]
 
@@ -41,25 +40,15 @@ def _config(name: str, groups: tuple[GroupDesc, ...], **kw: Any) -> TraceConfig:
     return TraceConfig(name, groups, scheduler_block_size=4, hash_block_size=4, salt=False, **kw)
 
 
-MANAGER_CONFIGS: dict[str, tuple[TraceConfig, bool]] = {
-    # name: (configuration, kvcore's native single-group path)
-    "native-full": (_config("native-full", (_F4,)), True),
-    "native-full-wm": (
-        _config(
-            "native-full-wm", (_F4,), num_blocks=12, max_model_len=40, watermark=0.2, use_eagle=True
-        ),
-        True,
+MANAGER_CONFIGS: dict[str, TraceConfig] = {
+    "full": _config("full", (_F4,)),
+    "full-wm": _config(
+        "full-wm", (_F4,), num_blocks=12, max_model_len=40, watermark=0.2, use_eagle=True
     ),
-    "python-full": (_config("python-full", (_F4,)), False),
-    "native-nocache": (
-        _config("native-nocache", (_F4,), num_blocks=8, enable_caching=False, events=False),
-        True,
-    ),
-    "python-hybrid": (
-        _config("python-hybrid", (_F4, GroupDesc("swa", 4, window=8)), num_blocks=16),
-        False,
-    ),
+    "nocache": _config("nocache", (_F4,), num_blocks=8, enable_caching=False, events=False),
+    "hybrid": _config("hybrid", (_F4, GroupDesc("swa", 4, window=8)), num_blocks=16),
 }
+
 
 STATUSES = ("WAITING", "RUNNING", "PREEMPTED", "FINISHED_STOPPED")
 
@@ -145,18 +134,10 @@ class ManagerFuzzer:
     """Runs manager programs on kvcore and the reference; see the module docs."""
 
     def __init__(self, name: str) -> None:
-        cfg, native = MANAGER_CONFIGS[name]
+        cfg = MANAGER_CONFIGS[name]
         self.cfg = cfg
-        self.native = native
         self.ref = ReferenceSide(cfg)
-        saved = KVCacheManager.use_native_fast_path
-        KVCacheManager.use_native_fast_path = native
-        try:
-            self.kv = KvcoreSide(cfg)
-        finally:
-            KVCacheManager.use_native_fast_path = saved
-        if native != (self.kv.manager._native is not None):
-            raise AssertionError(f"{name}: expected native={native}")
+        self.kv = KvcoreSide(cfg)
         self.groups = len(cfg.groups)
         self.reqs: list[_Pair] = []
         self.rids: list[Any] = []
@@ -214,18 +195,6 @@ class ManagerFuzzer:
         return out
 
     def _kv_tables(self) -> Any:
-        if self.native:
-            n = self.km._native
-            tables = {}
-            cached = {}
-            for rid in self.rids:
-                ids = self.km.get_block_ids(rid)[0]
-                c = n.num_cached_blocks(rid)
-                if ids:
-                    tables[rid] = ids
-                if c is not None:
-                    cached[rid] = c
-            return [(n.num_requests(), tables, cached)]
         out = []
         for m in self.km.coordinator.single_type_managers:
             tables = {
@@ -243,9 +212,6 @@ class ManagerFuzzer:
             self.kv.ref_cnts(),
             self.kv.block_keys(),
             self._kv_tables(),
-            None
-            if self.native
-            else [list(m.new_block_ids) for m in self.km.coordinator.single_type_managers],
         )
 
     def compare(self, what: str) -> None:
@@ -467,7 +433,6 @@ class ManagerFuzzer:
             deviation is None
             and nc
             and k_hits in (None, self.km.empty_kv_cache_blocks)
-            and not self.native
             and self.groups > 1
         ):
             deviation = "computed tokens without the hit blocks they count (window groups)"
@@ -478,7 +443,6 @@ class ManagerFuzzer:
             deviation = "a count no sequence reaches (2**62 or more)"
         if (
             deviation is None
-            and not self.native
             and self.groups > 1
             and p.ref.num_computed_tokens + nc + ext > self.cfg.max_model_len
         ):

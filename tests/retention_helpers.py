@@ -3,8 +3,8 @@ invalidation, router-exact events; the contract is ``/work/notes/retention-contr
 
 - :class:`FakeClock`: a clock the test moves by hand, passed to the manager as ``clock=``.
 - :class:`Harness`: one ``KVCacheManager`` (events on, ``hash_fn=sha256_cbor``) on a chosen
-  path (``native``: the Rust single full-attention group, ``python``: the same group on the
-  Python coordinator, ``hybrid``: full attention plus a sliding window), with requests hashed
+  configuration (``single``: one full-attention group, ``hybrid``: full attention plus a
+  sliding window), with requests hashed
   by ``kvcore.hashing.get_request_block_hasher(16, sha256_cbor)`` so that ``pin_prefix``
   hashes exactly as they do, and the probes the tests observe eviction through: a lookup of a
   fresh request (:meth:`Harness.hits`), the block ids a new request is handed
@@ -40,9 +40,9 @@ BS = 16
 
 ATTN: dict[str, Any] = {"num_kv_heads": 1, "head_size": 64, "dtype": "float16"}
 
-PATHS = ("native", "python", "hybrid")
-"""The configurations: one full-attention group in Rust, the same on the Python path, and
-full attention plus a 32-token sliding window (Python hybrid coordinator)."""
+PATHS = ("single", "hybrid")
+"""The configurations: one full-attention group, and full attention plus a 32-token sliding
+window (the hybrid coordinator)."""
 
 SENTINEL = 10**9
 """A token appended to probe prompts (a lookup hits at most ``num_tokens - 1`` tokens)."""
@@ -96,7 +96,7 @@ class Harness:
     """One manager plus the request factory and probes of the cache-control tests.
 
     Args:
-        path: ``native``, ``python`` or ``hybrid``.
+        path: ``single`` or ``hybrid``.
         num_blocks: Pool size, null block included.
         clock: The manager's clock (a new :class:`FakeClock` at 0 when None).
         hash_fn: Passed as ``hash_fn`` (the requests' hash function); ``False`` passes none.
@@ -109,7 +109,7 @@ class Harness:
 
     def __init__(
         self,
-        path: str = "native",
+        path: str = "single",
         num_blocks: int = 16,
         *,
         clock: FakeClock | None = None,
@@ -135,20 +135,14 @@ class Harness:
         specs = specs_for(path)
         groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
         self.num_groups = len(groups)
-        saved = KVCacheManager.use_native_fast_path
-        KVCacheManager.use_native_fast_path = path == "native"
-        try:
-            self.mgr = KVCacheManager(
-                KVCacheConfig(num_blocks, [], groups),
-                max_model_len=max_model_len,
-                scheduler_block_size=BS,
-                hash_block_size=BS,
-                enable_kv_cache_events=events,
-                **kw,
-            )
-        finally:
-            KVCacheManager.use_native_fast_path = saved
-        assert (self.mgr._native is not None) == (path == "native")
+        self.mgr = KVCacheManager(
+            KVCacheConfig(num_blocks, [], groups),
+            max_model_len=max_model_len,
+            scheduler_block_size=BS,
+            hash_block_size=BS,
+            enable_kv_cache_events=events,
+            **kw,
+        )
         self.pool: Any = self.mgr.block_pool
         self.num_blocks = num_blocks
         self._probe = 0

@@ -6,7 +6,7 @@ unknown, non-ASCII and lone-surrogate request ids, calls after free) over
 
 - ``kvcore.BlockPool`` (:mod:`fuzz_pool`),
 - ``kvcore.hashing`` and ``kvcore.Request`` (:mod:`fuzz_hashing`),
-- ``kvcore.KVCacheManager``, on the native single-group path and on the Python coordinators
+- ``kvcore.KVCacheManager``, with one group and with a hybrid full + sliding-window model
   (:mod:`fuzz_manager`),
 
 and runs every call on both implementations. Both must return equal results, or both raise

@@ -1,7 +1,7 @@
 """Leak check: a million mixed pool and manager operations leave the resident set flat.
 
 One process runs rounds of a fixed mix over a ``kvcore.BlockPool`` and a
-``kvcore.KVCacheManager`` (native single-group path, then the Python coordinators): allocation
+``kvcore.KVCacheManager`` (one full-attention group, then full + sliding window): allocation
 with eviction, caching with events, lookups, touches, frees, evictions and resets on the pool;
 request creation and hashing, prefix lookups, admissions with hits, decode steps with
 appended tokens (a few of them bools, kept as objects by the token buffer), finishes and
@@ -65,25 +65,20 @@ class Workload:
         hashing.init_none_hash(hashing.sha256)
         self.hasher = hashing.get_request_block_hasher(hbs, hashing.sha256)
         self.managers: list[KVCacheManager] = []
-        for groups, native in (([spec], True), ([spec, swa], False)):
+        for groups in ([spec], [spec, swa]):
             cfg = KVCacheConfig(
                 96, [], [KVCacheGroupSpec([f"l{i}"], g) for i, g in enumerate(groups)]
             )
-            saved = KVCacheManager.use_native_fast_path
-            KVCacheManager.use_native_fast_path = native
-            try:
-                self.managers.append(
-                    KVCacheManager(
-                        cfg,
-                        max_model_len=128,
-                        scheduler_block_size=hbs,
-                        hash_block_size=hbs,
-                        enable_kv_cache_events=True,
-                        log_stats=True,
-                    )
+            self.managers.append(
+                KVCacheManager(
+                    cfg,
+                    max_model_len=128,
+                    scheduler_block_size=hbs,
+                    hash_block_size=hbs,
+                    enable_kv_cache_events=True,
+                    log_stats=True,
                 )
-            finally:
-                KVCacheManager.use_native_fast_path = saved
+            )
         self.prefixes = [[self.rng.randrange(50) for _ in range(24)] for _ in range(3)]
         self.next_id = 0
 
@@ -220,7 +215,7 @@ def test_a_million_operations_keep_rss_flat() -> None:
         gc.collect()
         peak_growth = max(peak_growth, rss_bytes() - base)
     for m in work.managers:
-        cast(kvcore.BlockPool, m.block_pool).check_invariants()
+        m.block_pool.check_invariants()
     work.pool.check_invariants()
     assert done >= TOTAL_OPS
     assert peak_growth < MAX_GROWTH, (

@@ -3,8 +3,8 @@
 Two managers run the same seeded trace: one allocates its running requests with
 ``allocate_slots_batch`` (preempting and retrying when the result comes back short), the other
 with a loop of ``allocate_slots`` calls. After every step both must agree on every result, the
-free-block order and the events. The native single full-attention path, the Python path of the
-same configuration and a hybrid configuration are each covered.
+free-block order and the events. One full-attention group and a hybrid configuration (full
+attention + sliding window) are each covered.
 """
 
 from __future__ import annotations
@@ -25,17 +25,12 @@ ATTN: dict[str, Any] = {"num_kv_heads": 1, "head_size": 64, "dtype": "float16"}
 BS = 16
 
 
-class _Python(KVCacheManager):
-    use_native_fast_path = False
-
-
 def _manager(kind: str, num_blocks: int) -> KVCacheManager:
     specs: list[KVCacheSpec] = [FullAttentionSpec(BS, **ATTN)]
     if kind == "hybrid":
         specs.append(SlidingWindowSpec(BS, sliding_window=48, **ATTN))
     groups = [KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)]
-    cls = _Python if kind == "python" else KVCacheManager
-    return cls(
+    return KVCacheManager(
         KVCacheConfig(num_blocks, [], groups),
         max_model_len=4096,
         scheduler_block_size=BS,
@@ -58,7 +53,7 @@ def _state(m: KVCacheManager) -> tuple[Any, ...]:
     return (_pool(m).get_all_free_block_ids(), m.take_events())
 
 
-@pytest.mark.parametrize("kind", ["native", "python", "hybrid"])
+@pytest.mark.parametrize("kind", ["single", "hybrid"])
 @pytest.mark.parametrize("seed", range(6))
 def test_batch_matches_loop(kind: str, seed: int) -> None:
     """Batch and loop make the same decisions, step after step, under preemption."""
@@ -66,8 +61,6 @@ def test_batch_matches_loop(kind: str, seed: int) -> None:
     allow_none = seed % 2 == 1  # odd seeds ask for None instead of empty id lists
     hasher = _hasher()
     batch_mgr, loop_mgr = _manager(kind, 60), _manager(kind, 60)
-    if kind == "native":
-        assert batch_mgr._native is not None
     shared = [rng.randrange(1, 500) for _ in range(40)]
     running: list[tuple[Request, Request]] = []
     waiting: list[tuple[Request, Request]] = []
@@ -141,10 +134,9 @@ def test_batch_matches_loop(kind: str, seed: int) -> None:
     _pool(batch_mgr).check_invariants()
 
 
-@pytest.mark.parametrize("kind", ["native", "python"])
-def test_batch_stops_at_first_failure(kind: str) -> None:
+def test_batch_stops_at_first_failure() -> None:
     """Requests after the one that does not fit are not tried: their tables are unchanged."""
-    m = _manager(kind, 6)  # 5 usable blocks
+    m = _manager("single", 6)  # 5 usable blocks
     reqs = [
         Request(f"r{i}", list(range(1, 17)), max_tokens=9, block_hasher=_hasher()) for i in range(3)
     ]
@@ -165,7 +157,7 @@ def test_batch_stops_at_first_failure(kind: str) -> None:
     assert got_none == [None], "a request that needs no new block gets None with allow_none"
 
 
-@pytest.mark.parametrize("kind", ["native", "python"])
+@pytest.mark.parametrize("kind", ["single", "hybrid"])
 def test_batch_bad_input_changes_nothing(kind: str) -> None:
     """Mismatched lengths and negative counts raise before any allocation."""
     m = _manager(kind, 20)
@@ -187,7 +179,7 @@ def test_batch_bad_input_changes_nothing(kind: str) -> None:
 
 def test_one_request_object_across_managers_frees_and_renames() -> None:
     """The native manager's per-request slot hint never points at another table or request."""
-    m1, m2 = _manager("native", 40), _manager("native", 40)
+    m1, m2 = _manager("single", 40), _manager("single", 40)
     other = Request("o", list(range(100, 140)), max_tokens=9, block_hasher=_hasher())
     assert m2.allocate_slots(other, 40) is not None  # m2's ids now differ from m1's
     r = Request("r", list(range(1, 33)), max_tokens=9, block_hasher=_hasher())

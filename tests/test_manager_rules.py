@@ -26,10 +26,8 @@ from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcore.manager import KVCacheManager, PrefixCacheStats
 from kvcore.request import Request, RequestStatus
 from kvcore.single_type import (
-    ChunkedLocalAttentionManager,
     FullAttentionManager,
     MambaManager,
-    SlidingWindowManager,
 )
 from kvcore.specs import (
     ChunkedLocalAttentionSpec,
@@ -116,7 +114,7 @@ def req(rid: str, tokens: Sequence[int], hbs: int = 16, **kw: Any) -> Request:
 
 
 def queue(m: KVCacheManager) -> list[int]:
-    return list(m.block_pool.get_all_free_block_ids())  # type: ignore[attr-defined]
+    return list(m.block_pool.get_all_free_block_ids())
 
 
 def refs(m: KVCacheManager, ids: Sequence[int]) -> list[int]:
@@ -124,19 +122,8 @@ def refs(m: KVCacheManager, ids: Sequence[int]) -> list[int]:
 
 
 def num_cached(m: KVCacheManager, rid: str) -> int | None:
-    """STM-1's num_cached_block entry of a single-group manager, on either path."""
-    if m._native is not None:
-        n: int | None = m._native.num_cached_blocks(rid)
-        return n
+    """STM-1's num_cached_block entry of a single-group manager."""
     return m.coordinator.single_type_managers[0].num_cached_block.get(rid)
-
-
-@pytest.fixture(autouse=True, params=["native", "python"])
-def manager_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs every test on the Rust single-group path and on the Python coordinators."""
-    monkeypatch.setattr(KVCacheManager, "use_native_fast_path", request.param == "native")
-    path: str = request.param
-    return path
 
 
 def r1to(n: int) -> list[int]:
@@ -269,7 +256,7 @@ def test_tv_s4_hybrid_full_plus_sliding_window() -> None:
     """TV-S4 (COORD-9/11, SWA-1 cap 7, SWA-2/STM-7 frees, MGR-20 order, SWA-3 hit)."""
     m = make_manager(30, [full(), swa()], max_num_batched_tokens=64)
     swa_mgr = m.coordinator.single_type_managers[1]
-    assert swa_mgr._max_admission_blocks_per_request == 7
+    assert swa_mgr.admission_cap == 7
     assert isinstance(m.coordinator, HybridKVCacheCoordinator)
     r1 = req("r1", r1to(100))
     out = m.allocate_slots(r1, 100)
@@ -643,14 +630,12 @@ def test_mgr_30_new_step_starts_clears_mamba_step_cache() -> None:
     """MGR-30 / MAMBA-6: new_step_starts clears the Mamba per-step cache."""
     m = make_manager(40, [full(), MambaSpec(16, mamba_cache_mode="all")], max_num_batched_tokens=64)
     m.allocate_slots(req("a", r1to(33)), 33)
-    mamba = m.coordinator.single_type_managers[1]
-    assert isinstance(mamba, MambaManager) and len(mamba.cached_blocks_this_step) == 2
+    assert isinstance(m.coordinator.single_type_managers[1], MambaManager)
     r = req("b", r1to(40))
     hit, n = m.get_computed_blocks(r)
     assert n == 32
     assert m.allocate_slots(r, 40 - n, n, hit) is None  # MAMBA-4: delayed one step
     m.new_step_starts()
-    assert not mamba.cached_blocks_this_step
     assert m.allocate_slots(r, 40 - n, n, hit) is not None
 
 
@@ -756,62 +741,12 @@ def _cached_pool(n_tokens: int) -> tuple[KVCacheManager, Request]:
     return m, r
 
 
-def test_swa_3_lookup_examples() -> None:
-    """SWA-3: the spec's examples (bs 16, w 32, hits except index 1, M 8)."""
-    m, r = _cached_pool(144)
-    m.evict_blocks({2})
-    pool = m.block_pool
-    spec = swa(16, 32)
-    find = SlidingWindowManager.find_longest_cache_hit
-    h = r.block_hashes
-    assert find(h, 128, [0], pool, spec, False, 16) == ([0, 0, 0, 0, 0, 0, 7, 8],)
-    assert find(h, 128, [0], pool, spec, True, 16) == ([0, 0, 0, 0, 0, 6, 7],)
-    assert find(h, 128, [0], pool, spec, True, 32) == ([0, 0, 0, 0, 5, 6],)
-    m.evict_blocks({3, 4, 5, 6, 7, 8})
-    assert find(h, 128, [0], pool, spec, False, 16) == ([1],)
-    assert find(h, 128, [0], pool, spec, False, 32) == ([],)
-
-
-def test_swa_4_reachable_block_mask() -> None:
-    """SWA-4: only tails of aligned segments are cached; None when all are reachable."""
-    mask = SlidingWindowManager.reachable_block_mask
-    spec = swa(16, 32)
-    assert mask(0, 8, None, spec, False) is None
-    assert mask(0, 8, 32, spec, False) is None  # need 2 >= per 2
-    assert mask(0, 8, 64, spec, False) == [False, False, True, True] * 2
-    assert mask(0, 8, 64, spec, True) == [False, False, True, True, True, False, True, True]
-    assert mask(0, 8, 64, spec, False, 0, 50) == [False, False, False, False] + [False] * 4
-    assert (
-        mask(0, 8, 32, spec, False, 0, 100)
-        == [False, False, False, False, True, True] + [False] * 2
-    )
-
-
-def test_cla_1_3_chunked_local() -> None:
-    """CLA-2 skipping and CLA-3's example (c 32, bs 16, max_len 100 → six nulls)."""
-    m, r = _cached_pool(112)
+def test_cla_1_chunked_local_admission_cap() -> None:
+    """CLA-1's cap (CLA-2's skipping and CLA-3's lookup examples are Rust tests:
+    ``rust/kvcore-core/src/single_type_tests.rs``)."""
     spec = ChunkedLocalAttentionSpec(block_size=16, attention_chunk_size=32, **ATTN)
-    find = ChunkedLocalAttentionManager.find_longest_cache_hit
-    assert find(r.block_hashes, 100, [0], m.block_pool, spec, False, 16) == ([0] * 6,)
-    assert find(r.block_hashes, 90, [0], m.block_pool, spec, False, 16) == ([0, 0, 0, 0, 5],)
-    with pytest.raises(AssertionError):
-        find(r.block_hashes, 90, [0], m.block_pool, spec, True, 16)
     cm = make_manager(20, [spec], max_num_batched_tokens=64)
-    stm = cm.coordinator.single_type_managers[0]
-    assert stm.get_num_skipped_tokens(70) == 64
-    assert stm._max_admission_blocks_per_request == 6
-
-
-def test_mamba_2_lookup_last_aligned_hit() -> None:
-    """MAMBA-2: the last aligned hit, padded with nulls in front."""
-    m, r = _cached_pool(80)
-    spec = MambaSpec(16)
-    find = MambaManager.find_longest_cache_hit
-    assert find(r.block_hashes, 79, [0], m.block_pool, spec, False, 16) == ([0, 0, 0, 4],)
-    assert find(r.block_hashes, 79, [0], m.block_pool, spec, False, 32) == ([0, 0, 0, 4],)
-    assert find(r.block_hashes, 79, [0], m.block_pool, spec, False, 48) == ([0, 0, 3],)
-    m.evict_blocks({1, 2, 3, 4})
-    assert find(r.block_hashes, 79, [0], m.block_pool, spec, False, 16) == ([],)
+    assert cm.coordinator.single_type_managers[0].admission_cap == 6
 
 
 def test_mamba_4_5_align_mode() -> None:
@@ -831,14 +766,12 @@ def test_mamba_4_5_align_mode() -> None:
     r.append_output_token_ids([42])
     out = m.allocate_slots(r, 1)
     assert out is not None and out.get_block_ids() == ([6], [7])
-    mamba = m.coordinator.single_type_managers[1]
-    assert isinstance(mamba, MambaManager)
+    assert isinstance(m.coordinator.single_type_managers[1], MambaManager)
     assert m.get_block_ids("a") == ([1, 2, 3, 6], [0, 0, 4, 5, 7])
-    assert mamba.last_state_block_idx["a"] == 2
-    # MAMBA-4: the count can be negative in align mode.
-    assert mamba.get_num_blocks_to_allocate("a", 16, [], 16, 16) == -3
+    # MAMBA-4: the count can be negative in align mode (the full group needs 0).
+    assert m.coordinator.get_num_blocks_to_allocate("a", 16, ([], []), 0, 16, 16) == -3
     m.free(r)
-    assert not mamba._allocated_block_reqs and not mamba.last_state_block_idx
+    assert m.get_block_ids("a") == ([], [])
 
 
 def test_rswa_1_gap_blocks_freed() -> None:
@@ -881,7 +814,7 @@ def test_xattn_1_cross_attention() -> None:
     out = m.allocate_slots(r, 13, num_encoder_tokens=40)
     assert out is not None and out.get_block_ids() == ([6], [])
     with pytest.raises(ValueError):
-        m.coordinator.single_type_managers[1].cache_blocks(r, 32)
+        m.coordinator.cache_blocks(r, 32)
     on = make_manager(20, [full(), spec])
     with pytest.raises(ValueError):
         on.allocate_slots(req("b", r1to(20)), 20, num_encoder_tokens=40)
@@ -895,8 +828,7 @@ def test_stm_2_evictable_hits_count_against_capacity() -> None:
     r = req("b", r1to(64) + [0] * 16)
     hit, n = m.get_computed_blocks(r)
     assert n == 64
-    stm = m.coordinator.single_type_managers[0]
-    assert stm.get_num_blocks_to_allocate("b", 80, hit.blocks[0], 64, 80) == 1 + 4
+    assert m.coordinator.get_num_blocks_to_allocate("b", 80, hit.blocks, 0, 64, 80) == 1 + 4
     assert m.allocate_slots(r, 16, n, hit) is not None
     assert m.block_pool.get_num_free_blocks() == 0
 
@@ -909,11 +841,10 @@ def test_stm_4_stm_7_stm_8_swa_null_padding_and_range_removal() -> None:
     hit, n = m.get_computed_blocks(r)
     m.allocate_slots(r, 100 - n, n, hit)
     assert m.get_block_ids("b") == ([1, 2, 3, 4, 5, 6, 15], [0, 0, 0, 0, 12, 13, 16])
-    stm = m.coordinator.single_type_managers[1]
-    stm._remove_blocks_in_range("b", 0, 6)
-    assert m.get_block_ids("b")[1][:6] == [0] * 6
-    stm._remove_blocks_in_range("zzz", 0, 6)
-    stm._remove_blocks_in_range("b", 6, 6)
+    m.remove_skipped_blocks("b", 100)  # the last skipped block is null already: nothing to do
+    assert m.get_block_ids("b")[1] == [0, 0, 0, 0, 12, 13, 16]
+    m.remove_skipped_blocks("b", 112)  # freed back to front, stopping at the first null
+    assert m.get_block_ids("b")[1] == [0, 0, 0, 0, 0, 13, 16]
 
 
 def test_kvb_3_on_manager_results() -> None:
@@ -931,7 +862,7 @@ def test_kvb_3_on_manager_results() -> None:
 def test_mgr_1_max_num_batched_tokens_defaults_to_max_model_len() -> None:
     """MGR-1 / SWA-1: without max_num_batched_tokens the cap uses max_model_len."""
     m = make_manager(8, [full(), swa()], max_model_len=256)
-    assert m.coordinator.single_type_managers[1]._max_admission_blocks_per_request == 17
+    assert m.coordinator.single_type_managers[1].admission_cap == 17
 
 
 def test_spec_1_groups_without_manager_fail_construction() -> None:

@@ -51,17 +51,11 @@ class ManagerMachine(RuleBasedStateMachine):
 
     SPECS: tuple[KVCacheSpec, ...] = (FullAttentionSpec(block_size=BS, **ATTN),)
     NUM_BLOCKS = 24
-    NATIVE = True
 
     def __init__(self) -> None:
         super().__init__()
         groups = [KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(self.SPECS)]
-        saved = KVCacheManager.use_native_fast_path
-        KVCacheManager.use_native_fast_path = self.NATIVE
-        try:
-            self.mgr = self._build(groups)
-        finally:
-            KVCacheManager.use_native_fast_path = saved
+        self.mgr = self._build(groups)
         self.pool: Any = self.mgr.block_pool
         self.running: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -239,16 +233,6 @@ ManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_full_attention_manager = ManagerMachine.TestCase
-
-
-class PythonFullMachine(ManagerMachine):
-    """The same single full-attention group on the Python coordinator path."""
-
-    NATIVE = False
-
-
-PythonFullMachine.TestCase.settings = ManagerMachine.TestCase.settings
-test_full_attention_python_path = PythonFullMachine.TestCase
 
 
 class HybridMachine(ManagerMachine):

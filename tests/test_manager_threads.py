@@ -5,8 +5,8 @@ admissions, decode steps, frees, with events on and, in one thread, event draini
 busy-loop process keeps the CPU loaded and the interpreter switches threads as often as it can.
 No call may fail spuriously (no ``RuntimeError("Already borrowed")``, no ``NoFreeBlocksError``
 or invariant error from a race between a capacity check and its allocation), and at the end
-every block is back in the free queue and the invariants hold. Both the native single
-full-attention path and the Python coordinators (full + sliding window) are covered.
+every block is back in the free queue and the invariants hold. One full-attention group and a
+hybrid configuration (full + sliding window) are covered.
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ def busy_cpu_and_tiny_switch_interval() -> Iterator[None]:
         spinner.join()
 
 
-def make_manager(hybrid: bool, native: bool, monkeypatch: pytest.MonkeyPatch) -> KVCacheManager:
-    monkeypatch.setattr(KVCacheManager, "use_native_fast_path", native)
+def make_manager(hybrid: bool) -> KVCacheManager:
     groups = [KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=4, **ATTN))]
     if hybrid:
         groups.append(
@@ -125,16 +124,10 @@ class Worker:
             self.errors.append(e)
 
 
-@pytest.mark.parametrize(
-    ("hybrid", "native"),
-    [(False, True), (False, False), (True, False)],
-    ids=["native", "python", "hybrid"],
-)
-def test_threads_share_one_manager(
-    hybrid: bool, native: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("hybrid", [False, True], ids=["single", "hybrid"])
+def test_threads_share_one_manager(hybrid: bool) -> None:
     init_none_hash(sha256)
-    mgr = make_manager(hybrid, native, monkeypatch)
+    mgr = make_manager(hybrid)
     stem_rng = random.Random(3)
     stems = [[stem_rng.randrange(1000) for _ in range(stem_rng.randrange(0, 40))] for _ in range(5)]
     workers = [Worker(mgr, seed, stems) for seed in range(NUM_THREADS)]
@@ -176,21 +169,15 @@ class ReentrantRequest:
         return getattr(self._inner, name)
 
 
-@pytest.mark.parametrize(
-    ("hybrid", "native"),
-    [(False, True), (False, False), (True, False)],
-    ids=["native", "python", "hybrid"],
-)
-def test_reentrant_request_is_served_like_a_plain_one(
-    hybrid: bool, native: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("hybrid", [False, True], ids=["single", "hybrid"])
+def test_reentrant_request_is_served_like_a_plain_one(hybrid: bool) -> None:
     """A request whose properties call the manager and the pool mid-call is served, with the
     same blocks and events as a plain request (nothing is held while request code runs)."""
     init_none_hash(sha256)
     hasher = get_request_block_hasher(4, sha256)
     results = []
     for wrap in (False, True):
-        mgr = make_manager(hybrid, native, monkeypatch)
+        mgr = make_manager(hybrid)
         log: list[Any] = []
         for i, prompt in enumerate([list(range(30)), [*range(30), 7, 8], list(range(50, 75))]):
             inner = Request(f"r{i}", prompt, block_hasher=hasher)

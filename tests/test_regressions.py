@@ -73,7 +73,7 @@ def seeded() -> Iterator[None]:
 
 
 def make_manager(
-    native: bool, num_blocks: int = 10, max_model_len: int = 48, swa: bool = False
+    num_blocks: int = 10, max_model_len: int = 48, swa: bool = False
 ) -> KVCacheManager:
     """A manager over full attention (block size 4), plus a sliding window group if ``swa``."""
     specs: list[Any] = [FullAttentionSpec(HBS, num_kv_heads=1, head_size=8, dtype="float16")]
@@ -84,20 +84,13 @@ def make_manager(
     cfg = KVCacheConfig(
         num_blocks, [], [KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)]
     )
-    saved = KVCacheManager.use_native_fast_path
-    KVCacheManager.use_native_fast_path = native
-    try:
-        m = KVCacheManager(
-            cfg,
-            max_model_len=max_model_len,
-            scheduler_block_size=HBS,
-            hash_block_size=HBS,
-            enable_kv_cache_events=True,
-        )
-    finally:
-        KVCacheManager.use_native_fast_path = saved
-    assert (m._native is not None) == native
-    return m
+    return KVCacheManager(
+        cfg,
+        max_model_len=max_model_len,
+        scheduler_block_size=HBS,
+        hash_block_size=HBS,
+        enable_kv_cache_events=True,
+    )
 
 
 def request(rid: str, prompt: list[Any], hashed: bool = True) -> kvcore.Request:
@@ -107,19 +100,12 @@ def request(rid: str, prompt: list[Any], hashed: bool = True) -> kvcore.Request:
 
 def manager_state(m: KVCacheManager, rids: list[str]) -> tuple[Any, ...]:
     """The pool's state plus every listed request's tables and the number of entries."""
-    entries: Any
-    if m._native is not None:
-        entries = (m._native.num_requests(), [m._native.num_cached_blocks(r) for r in rids])
-    else:
-        entries = [
-            (len(s.req_to_blocks), [s.num_cached_block.get(r) for r in rids])
-            for s in m.coordinator.single_type_managers
-        ]
+    entries = [
+        (len(s.req_to_blocks), [s.num_cached_block.get(r) for r in rids])
+        for s in m.coordinator.single_type_managers
+    ]
     pool: Any = m.block_pool
     return (pool_state(pool), [m.get_block_ids(r) for r in rids], entries)
-
-
-NATIVE = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 
 
 # --- a Rust panic crossed into Python --------------------------------------------------------
@@ -212,14 +198,11 @@ def test_cache_full_blocks_with_a_huge_full_count_is_the_hash_assertion(num_full
     assert isinstance(err, AssertionError)
 
 
-@NATIVE
 @pytest.mark.parametrize("huge", [2**63, 2**64, 10**30])
-def test_allocate_slots_with_a_huge_token_count_is_capped(
-    native: bool, huge: int, seeded: None
-) -> None:
+def test_allocate_slots_with_a_huge_token_count_is_capped(huge: int, seeded: None) -> None:
     """The reference caps ``num_tokens_need_slot`` at ``max_model_len`` (ALLOC-5) and
     allocates; kvcore raised OverflowError. With a huge lookahead too."""
-    m = make_manager(native, num_blocks=20, max_model_len=32)
+    m = make_manager(num_blocks=20, max_model_len=32)
     r = request("a", list(range(10)))
     out = m.allocate_slots(r, huge)
     assert out is not None
@@ -279,12 +262,11 @@ def test_get_cached_block_reads_group_ids_lazily() -> None:
     assert isinstance(info2.value, AttributeError)
 
 
-@NATIVE
 @pytest.mark.parametrize("rid", ["\ud800", "a\udfffb", "\x00", "\x00eda080"])
-def test_lone_surrogate_request_ids(native: bool, rid: str, seeded: None) -> None:
+def test_lone_surrogate_request_ids(rid: str, seeded: None) -> None:
     """A request id with a lone surrogate raised UnicodeEncodeError; the reference keys its
     tables by the str. Ids stay distinct (the surrogate key and a NUL-led id do not collide)."""
-    m = make_manager(native)
+    m = make_manager()
     a, b = (
         request(rid, list(range(9))),
         request("\x00eda080" if rid != "\x00eda080" else "\ud800", list(range(9))),
@@ -361,15 +343,12 @@ def test_hash_block_tokens_with_a_non_bytes_parent(seeded: None) -> None:
 # --- rejected calls changed state ------------------------------------------------------------
 
 
-@NATIVE
-def test_allocate_slots_refused_for_external_tokens_changes_nothing(
-    native: bool, seeded: None
-) -> None:
+def test_allocate_slots_refused_for_external_tokens_changes_nothing(seeded: None) -> None:
     """External tokens beyond ``max_model_len`` (STM-5 is not capped) take more blocks than
     the capacity check counted: the reference raises ValueError from ``get_new_blocks`` after
     touching its hit blocks and creating the request's entry. kvcore raised NoFreeBlocksError
     after the same changes; now before any."""
-    m = make_manager(native, num_blocks=8, max_model_len=8)
+    m = make_manager(num_blocks=8, max_model_len=8)
     a = request("a", [7] * 8)
     assert m.allocate_slots(a, 8) is not None
     m.free(a)
@@ -383,17 +362,14 @@ def test_allocate_slots_refused_for_external_tokens_changes_nothing(
         m.allocate_slots(b, 4, n, hits, num_external_computed_tokens=40)
     assert manager_state(m, rids) == before
     assert m.take_events() == []
-    cast(kvcore.BlockPool, m.block_pool).check_invariants()
+    m.block_pool.check_invariants()
 
 
-@NATIVE
-def test_refused_allocation_on_a_finished_request_leaves_no_entry(
-    native: bool, seeded: None
-) -> None:
+def test_refused_allocation_on_a_finished_request_leaves_no_entry(seeded: None) -> None:
     """A refused allocation for a finished request left an empty table entry behind, so a
     later ``get_num_common_prefix_blocks`` counted one request too many (the reference, after
     the same refusal restored, answers 1; kvcore answered 0)."""
-    m = make_manager(native, num_blocks=8, max_model_len=8)
+    m = make_manager(num_blocks=8, max_model_len=8)
     shared = [5] * 4
     reqs = [request(rid, shared + [i] * 4) for i, rid in enumerate("xyz")]
     for r in reqs:
@@ -408,11 +384,10 @@ def test_refused_allocation_on_a_finished_request_leaves_no_entry(
     assert m.get_num_common_prefix_blocks("x") == [1]
 
 
-@NATIVE
-def test_cache_blocks_on_a_freed_request_leaves_no_entry(native: bool, seeded: None) -> None:
+def test_cache_blocks_on_a_freed_request_leaves_no_entry(seeded: None) -> None:
     """``cache_blocks`` for a request without blocks: the reference fails on the missing
     blocks (IndexError with events on); kvcore refused but left an empty entry."""
-    m = make_manager(native)
+    m = make_manager()
     a, b = request("a", list(range(8))), request("b", list(range(8)))
     assert m.allocate_slots(a, 8) is not None
     m.free(a)
@@ -428,7 +403,7 @@ def test_cache_blocks_on_a_freed_request_leaves_no_entry(native: bool, seeded: N
 
 def test_cache_blocks_with_a_float_count_leaves_no_entry(seeded: None) -> None:
     """The Python path created the entry before the pool refused the float count."""
-    m = make_manager(False)
+    m = make_manager()
     a = request("a", list(range(8)))
     before = manager_state(m, ["a"])
     with pytest.raises(ArgumentTypeError):
@@ -436,13 +411,10 @@ def test_cache_blocks_with_a_float_count_leaves_no_entry(seeded: None) -> None:
     assert manager_state(m, ["a"]) == before
 
 
-@NATIVE
-def test_allocate_slots_without_block_hashes_refused_before_allocating(
-    native: bool, seeded: None
-) -> None:
+def test_allocate_slots_without_block_hashes_refused_before_allocating(seeded: None) -> None:
     """A request built without a block hasher cannot be cached: the reference asserts (too
     few hashes) after allocating its blocks; kvcore refuses before."""
-    m = make_manager(native)
+    m = make_manager()
     r = request("a", list(range(9)), hashed=False)
     before = manager_state(m, ["a"])
     with pytest.raises(kvcore.InvalidArgumentError) as info:
@@ -453,10 +425,10 @@ def test_allocate_slots_without_block_hashes_refused_before_allocating(
     assert m.allocate_slots(r, 9, delay_cache_blocks=True) is not None
 
 
-def test_python_path_window_undercount_refused_before_allocating(seeded: None) -> None:
+def test_window_undercount_refused_before_allocating(seeded: None) -> None:
     """With a sliding window, computed tokens without hit blocks make STM-2 undercount what
     STM-3 allocates; the reference then fails in a later group after allocating the first."""
-    m = make_manager(False, num_blocks=16, swa=True)
+    m = make_manager(num_blocks=16, swa=True)
     r = request("a", [1])
     before = manager_state(m, ["a"])
     with pytest.raises(kvcore.InvalidArgumentError):
@@ -464,13 +436,13 @@ def test_python_path_window_undercount_refused_before_allocating(seeded: None) -
     assert manager_state(m, ["a"]) == before
 
 
-def test_python_path_window_frees_undone_when_the_allocation_is_refused(seeded: None) -> None:
+def test_window_frees_undone_when_the_allocation_is_refused(seeded: None) -> None:
     """A request that is not running (shorter than a block, so never cached) and claims many
     computed tokens: the window group's STM-2 count skips blocks that STM-3 then allocates.
     The reference frees the block outside the window (ALLOC-6), allocates the full-attention
     group and fails in the window group; kvcore refuses first and takes the freed block
     back, leaving the free queue, the counts and the tables as they were."""
-    m = make_manager(False, num_blocks=19, swa=True)
+    m = make_manager(num_blocks=19, swa=True)
     r = request("a", [1])
     assert m.allocate_slots(r, 1) is not None
     r.num_computed_tokens = 20
@@ -480,13 +452,12 @@ def test_python_path_window_frees_undone_when_the_allocation_is_refused(seeded: 
         m.allocate_slots(r, 20)
     assert manager_state(m, ["a"]) == before
     assert m.take_events() == []
-    cast(kvcore.BlockPool, m.block_pool).check_invariants()
+    m.block_pool.check_invariants()
 
 
-@NATIVE
-def test_count_type_errors_are_kvcore_errors(native: bool, seeded: None) -> None:
+def test_count_type_errors_are_kvcore_errors(seeded: None) -> None:
     """A float count raised a plain TypeError on the Python path (``|`` of ints)."""
-    m = make_manager(native)
+    m = make_manager()
     r = request("a", list(range(8)))
     with pytest.raises(ArgumentTypeError):
         m.allocate_slots(r, 4, num_lookahead_tokens=1.5)  # type: ignore[arg-type]
@@ -494,13 +465,10 @@ def test_count_type_errors_are_kvcore_errors(native: bool, seeded: None) -> None
         m.allocate_slots(r, -1)
 
 
-@NATIVE
-def test_lookup_of_an_empty_request_is_the_reference_value_error(
-    native: bool, seeded: None
-) -> None:
+def test_lookup_of_an_empty_request_is_the_reference_value_error(seeded: None) -> None:
     """The reference walks ``islice(hashes, (num_tokens - 1) // bs)``: ValueError for a
     request without tokens; kvcore answered ``(empty, 0)`` (native) or ``(empty, -1)``."""
-    m = make_manager(native, swa=not native, num_blocks=16)
+    m = make_manager(swa=True, num_blocks=16)
     with pytest.raises(kvcore.InvalidArgumentError) as info:
         m.get_computed_blocks(request("a", []))
     assert isinstance(info.value, ValueError)

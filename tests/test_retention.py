@@ -4,8 +4,8 @@ while requests run, router-exact events; and the reference's behaviour with all 
 Eviction order is observed from outside: which cached prefixes stop hitting (a lookup of a
 fresh request), the block ids a new request is handed (``allocate_slots`` takes free blocks in
 eviction order, POOL-5) and the ``BlockRemoved`` events. Time is a :class:`FakeClock`. Each
-rule runs on the native single-group path and the Python path; the rules about order and
-invalidation also on a hybrid configuration (full attention + sliding window).
+rule runs with one full-attention group; the rules about order and invalidation also on a
+hybrid configuration (full attention + sliding window).
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from kvcore.request import Request
 pytestmark = pytest.mark.usefixtures("hash_seed")
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["single"])
 def single(request: pytest.FixtureRequest) -> str:
-    """The single full-attention group, on the Rust path and on the Python path."""
+    """The single full-attention group."""
     path: str = request.param
     return path
 
 
-@pytest.fixture(params=["native", "python", "hybrid"])
+@pytest.fixture(params=["single", "hybrid"])
 def path(request: pytest.FixtureRequest) -> str:
-    """Both single-group paths and full attention + sliding window."""
+    """One full-attention group, and full attention + sliding window."""
     p: str = request.param
     return p
 
@@ -1021,7 +1021,7 @@ class _TickingClock:
         return self.t
 
 
-def _features_off_side(native: bool, priority: int | None) -> Any:
+def _features_off_side(priority: int | None) -> Any:
     """kvcore's differential side built with every new argument given, switched off."""
     import functools
 
@@ -1035,20 +1035,14 @@ def _features_off_side(native: bool, priority: int | None) -> Any:
     class Side(KvcoreSide):
         def __init__(self, cfg: TraceConfig) -> None:
             super().__init__(cfg)
-            saved = KVCacheManager.use_native_fast_path
-            KVCacheManager.use_native_fast_path = native
-            try:
-                self.manager = KVCacheManager(
-                    _build_config(cfg, kspecs, kconfig, "float16"),
-                    **_manager_kwargs(cfg),
-                    hash_fn=hashing.get_hash_fn_by_name(cfg.hash_fn),
-                    clock=_TickingClock(),
-                    max_pinned_fraction=0.5,
-                    exact_router_events=False,
-                )
-            finally:
-                KVCacheManager.use_native_fast_path = saved
-            assert (self.manager._native is not None) == (native and len(cfg.groups) == 1)
+            self.manager = KVCacheManager(
+                _build_config(cfg, kspecs, kconfig, "float16"),
+                **_manager_kwargs(cfg),
+                hash_fn=hashing.get_hash_fn_by_name(cfg.hash_fn),
+                clock=_TickingClock(),
+                max_pinned_fraction=0.5,
+                exact_router_events=False,
+            )
             if priority is not None:
                 cast(Any, self)._request_cls = functools.partial(
                     self._request_cls, retention_priority=priority, retention_ttl_s=None
@@ -1059,16 +1053,15 @@ def _features_off_side(native: bool, priority: int | None) -> Any:
 
 @pytest.mark.reference
 @pytest.mark.parametrize(
-    ("name", "native", "priority"),
+    ("name", "priority"),
     [
-        ("full", True, None),
-        ("full", False, None),
-        ("full-xxhash", True, 50),
-        ("hybrid-full-swa", False, None),
-        ("hybrid-full-swa", False, 50),
+        ("full", None),
+        ("full-xxhash", 50),
+        ("hybrid-full-swa", None),
+        ("hybrid-full-swa", 50),
     ],
 )
-def test_features_off_match_the_reference(name: str, native: bool, priority: int | None) -> None:
+def test_features_off_match_the_reference(name: str, priority: int | None) -> None:
     """With no TTL, no pins and one priority level (none given, or 50 for all), a seeded
     trace of admissions, frees, preemptions and evictions gives the reference's results,
     events and free-list order after every call (the differential harness)."""
@@ -1076,7 +1069,7 @@ def test_features_off_match_the_reference(name: str, native: bool, priority: int
     from difftrace import CONFIGS, run_trace
 
     cfg = next(c for c in CONFIGS if c.name == name)
-    d = run_trace(cfg, 1, 150, kv_side=_features_off_side(native, priority))
+    d = run_trace(cfg, 1, 150, kv_side=_features_off_side(priority))
     assert d.counts.get("free", 0) > 5
     assert d.counts.get("BlockRemoved", 0) > 0
 
@@ -1137,7 +1130,7 @@ def test_duck_typed_requests_carry_retention_attributes(make_reference_request: 
     import kvcore.vllm
 
     hasher = kvcore.vllm.get_request_block_hasher(BS, sha256)
-    h = Harness("native", 1 + 6)
+    h = Harness("single", 1 + 6)
     reqs = []
     for rid, seed, prio in (("plain", 1, None), ("low", 2, 5), ("high", 3, 95)):
         r = make_reference_request(rid, tokens(seed, 32), block_hasher=hasher)

@@ -1,9 +1,12 @@
 """Type stubs of the native extension ``kvcore._native``."""
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, Self, final, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Self, final, overload
 
 from typing_extensions import disjoint_base
+
+if TYPE_CHECKING:
+    from kvcore.blocks import KVCacheBlocks
 
 __all__ = [
     "AllBlocksCleared",
@@ -17,10 +20,12 @@ __all__ = [
     "BlockStored",
     "DoubleFreeError",
     "InvalidArgumentError",
+    "InvalidConfigError",
     "InvariantViolationError",
     "KVCacheBlockView",
     "KVCacheBlocksBase",
     "KVCacheEvent",
+    "KVCacheManagerCore",
     "KvcoreError",
     "MissingBlocksError",
     "NoFreeBlocksError",
@@ -28,7 +33,7 @@ __all__ = [
     "RequestCore",
     "Retention",
     "TokenIds",
-    "UnitaryFullAttention",
+    "UnsupportedError",
     "__version__",
     "append_output_token_ids_batch",
     "digest",
@@ -70,6 +75,12 @@ class InvariantViolationError(KvcoreError, AssertionError):
 
 class MissingBlocksError(InvalidArgumentError, IndexError):
     """A request holds fewer blocks than the call needs, e.g. caching blocks it was never given (the reference fails indexing its block list)."""
+
+class InvalidConfigError(KvcoreError, ValueError, AssertionError):
+    """An inconsistent KV cache configuration (block sizes, groups, specs). The reference asserts on most of these (COORD-2, COORD-7, COORD-9, SPEC-1) and raises ValueError on others (CFG-2, the retention interval); this class satisfies both handlers."""
+
+class UnsupportedError(KvcoreError, NotImplementedError):
+    """An operation the configuration does not support, where the reference raises NotImplementedError (prefix-cache lookups of cross-attention groups, XATTN-1)."""
 
 @final
 class KVCacheBlockView:
@@ -225,28 +236,56 @@ class BlockPool:
     def __len__(self) -> int: ...
 
 @final
-class UnitaryFullAttention:
-    """Per-request state and calls of a manager whose only group is full attention."""
+class _ManagedRequest(Protocol):
+    """What the manager core reads from a request (a ``kvcore.Request`` or vLLM's): the id and
+    token counts, the status (admission's watermark), the prompt length (window groups), the
+    block hashes (caching) and, for events, the fields a ``BlockStored`` carries."""
 
-    def __new__(
-        cls,
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+    @property
+    def skip_reading_prefix_cache(self) -> bool: ...
+
+_NativeGroup = tuple[str, int, int, bool, int | None]
+
+@disjoint_base
+class KVCacheManagerCore:
+    """The request-level calls of every KV cache configuration (``kvcore-core``'s
+    ``coordinator::Coordinator``); ``kvcore.KVCacheManager`` subclasses it."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self: ...
+    def _init_core(
+        self,
         pool: BlockPool,
-        block_size: int,
-        record_new_block_ids: bool,
+        mode: Literal["no_prefix_cache", "unitary", "hybrid"] | str,
+        groups: Sequence[_NativeGroup],
+        eagle_groups: Sequence[bool],
+        attention_groups: Sequence[tuple[list[int], bool, bool]],
         max_model_len: int,
         watermark_blocks: int,
-        use_eagle: bool,
-        blocks_cls: Any,
-        empty: Any,
-        spec_block_size: int | None = None,
-    ) -> UnitaryFullAttention: ...
-    def get_computed_blocks(self, request: Any) -> tuple[Any, int]: ...
+        scheduler_block_size: int,
+        retention_interval: int | None,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        clip: Sequence[bool],
+        blocks_cls: type[KVCacheBlocks],
+        empty: KVCacheBlocks,
+    ) -> None: ...
+    def _computed_blocks(self, request: _ManagedRequest) -> tuple[KVCacheBlocks, int]: ...
     def allocate_slots(
         self,
-        request: Any,
+        request: _ManagedRequest,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Any = None,
+        new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
@@ -254,27 +293,101 @@ class UnitaryFullAttention:
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
-    ) -> Any | None: ...
+    ) -> KVCacheBlocks | None:
+        """Gives the request slots for its next tokens (ALLOC-1..13): the new blocks (the
+        shared empty instance when none), or None when the pool has too few free blocks."""
+    @overload
     def allocate_slots_batch(
         self,
-        requests: Sequence[Any],
+        requests: Sequence[_ManagedRequest],
+        num_new_tokens: Sequence[int],
+        num_lookahead_tokens: int = 0,
+        allow_none: Literal[False] = False,
+    ) -> list[tuple[list[int], ...]]: ...
+    @overload
+    def allocate_slots_batch(
+        self,
+        requests: Sequence[_ManagedRequest],
         num_new_tokens: Sequence[int],
         num_lookahead_tokens: int = 0,
         allow_none: bool = False,
-    ) -> list[tuple[list[int], ...] | None]: ...
-    def free(self, request: Any, retention: Retention | None = None) -> None: ...
-    def pop_blocks_for_free(self, request: Any) -> list[int]: ...
-    def get_blocks(self, request_id: str) -> Any: ...
-    def get_block_ids(self, request_id: str) -> tuple[list[int]]: ...
+    ) -> list[tuple[list[int], ...] | None]:
+        """``allocate_slots(r, n, num_lookahead_tokens=...)`` for each pair in order, stopping
+        at the first request that does not fit: each result is its ``get_block_ids(allow_none)``."""
+    def free(self, request: _ManagedRequest) -> None:
+        """Frees the request's blocks, group by group, tail first (MGR-20; its retention
+        attributes, when it has them: CC-1)."""
+    def _free_retained(self, request: _ManagedRequest, retention: Retention) -> None:
+        """:meth:`free` with an explicit retention (CC-1)."""
+    def pop_blocks_for_free(self, request: _ManagedRequest) -> list[int]:
+        """Forgets the request without freeing; all its blocks, group by group (MGR-21)."""
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks per group (MGR-25)."""
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group, as new lists (MGR-25)."""
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
-    ) -> tuple[list[int]]: ...
-    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]: ...
-    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None: ...
-    def take_new_block_ids(self) -> list[int]: ...
-    def num_requests(self) -> int: ...
-    def is_running(self, request_id: str) -> bool: ...
-    def num_cached_blocks(self, request_id: str) -> int | None: ...
+    ) -> tuple[list[int], ...]:
+        """Block ids covering the first ``num_computed_tokens`` tokens (MGR-26)."""
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, the leading blocks every tracked request shares (MGR-22, FA-2)."""
+    def cache_blocks(self, request: _ManagedRequest, num_computed_tokens: int) -> None:
+        """Caches the request's full blocks when caching is on (MGR-27)."""
+    def remove_skipped_blocks(
+        self, request_id: str, total_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Frees blocks outside the attention windows (MGR-22)."""
+    def take_new_block_ids(self) -> list[int]:
+        """Drains the ids allocated since the last call, group by group (MGR-29)."""
+    def new_step_starts(self) -> None:
+        """Signals a new scheduler step (MGR-30)."""
+    def coordinator_find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[list[int], ...], int]: ...
+    def coordinator_find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[list[int], ...], list[int]]: ...
+    @property
+    def num_uncached_common_prefix_tokens(self) -> int: ...
+    def coordinator_get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Sequence[int]],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int: ...
+    def coordinator_allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Sequence[int]],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None: ...
+    def coordinator_allocate_new_blocks(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_tokens_main_model: int,
+        num_encoder_tokens: int = 0,
+    ) -> tuple[list[int], ...]: ...
+    def coordinator_cache_blocks(
+        self, request: _ManagedRequest, num_computed_tokens: int
+    ) -> None: ...
+    def coordinator_free(self, request_id: str, retention: Retention | None = None) -> None: ...
+    def coordinator_pop_blocks_for_free(self, request_id: str) -> list[int]: ...
+    def group_num_requests(self, group: int) -> int: ...
+    def group_blocks(self, group: int, request_id: str) -> list[int] | None: ...
+    def group_num_cached_blocks(self, group: int, request_id: str) -> int | None: ...
+    def group_request_ids(self, group: int) -> list[str]: ...
+    def group_sink_blocks(self, group: int) -> list[int]: ...
+    def check_invariants(self) -> None: ...
+    def _hashes_per_group(self, block_hashes: Sequence[bytes]) -> list[tuple[int, list[bytes]]]:
+        """Per group, its hashes: every ``block_size / hash_block_size``-th (RH-3)."""
+    @property
+    def num_groups(self) -> int: ...
 
 @disjoint_base
 class KVCacheBlocksBase:

@@ -46,7 +46,6 @@ __all__ = [
     "SpecGroup",
     "UnitaryKVCacheCoordinator",
     "get_kv_cache_coordinator",
-    "hashes_at_block_size",
     "read_retention_interval",
 ]
 
@@ -69,16 +68,6 @@ def read_retention_interval() -> int | None:
         return int(raw)
     except ValueError:
         raise InvalidConfigError(f"{RETENTION_ENV}={raw!r} is not an integer") from None
-
-
-def hashes_at_block_size(
-    block_hashes: list[bytes], block_size: int, hash_block_size: int
-) -> list[bytes]:
-    """The hashes at ``block_size``: every k-th hash of ``hash_block_size`` windows (RH-3)."""
-    if block_size == hash_block_size:
-        return block_hashes
-    k = block_size // hash_block_size
-    return block_hashes[k - 1 :: k]
 
 
 class SpecGroup(NamedTuple):
@@ -141,7 +130,10 @@ class KVCacheCoordinator:
         hash_block_size: int,
         metrics_collector: Any = None,
     ) -> None:
-        """Checks the block sizes, builds the pool and chooses the managers (COORD-2).
+        """Builds the pool, chooses the managers and checks the retention interval (COORD-2).
+
+        The block sizes are checked by the core the manager builds from :meth:`native_config`
+        (``Coordinator::new``: COORD-2's divisibility, COORD-7's and COORD-9's sizes).
 
         Args:
             kv_cache_config: The configuration.
@@ -158,21 +150,9 @@ class KVCacheCoordinator:
                 not collected.
 
         Raises:
-            InvalidConfigError: Block sizes that do not divide, a spec without manager, or a bad
-                retention interval.
+            InvalidConfigError: A spec without manager, or a bad retention interval.
         """
         groups = kv_cache_config.kv_cache_groups
-        if (
-            hash_block_size <= 0
-            or scheduler_block_size <= 0
-            or scheduler_block_size % hash_block_size
-            or any(scheduler_block_size % g.kv_cache_spec.block_size for g in groups)
-        ):
-            raise InvalidConfigError(
-                f"scheduler_block_size={scheduler_block_size} must be a multiple of "
-                f"hash_block_size={hash_block_size} and of every group block size "
-                f"{[g.kv_cache_spec.block_size for g in groups]}"
-            )
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -242,7 +222,14 @@ class KVCacheCoordinator:
         self._core = core
         cp = self.dcp_world_size * self.pcp_world_size
         self.single_type_managers = tuple(
-            cls(g.kv_cache_spec, i, g.kv_cache_spec.block_size * cp, self._eagle_flags[i], core)
+            cls(
+                g.kv_cache_spec,
+                i,
+                g.kv_cache_spec.block_size * cp,
+                self._eagle_flags[i],
+                self._native_groups[i][4],
+                core,
+            )
             for i, (cls, g) in enumerate(
                 zip(self._manager_classes, self.kv_cache_config.kv_cache_groups, strict=True)
             )
@@ -421,12 +408,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         hash_block_size: int,
         metrics_collector: Any = None,
     ) -> None:
-        """Builds the coordinator; see :class:`KVCacheCoordinator`.
-
-        Raises:
-            InvalidConfigError: Caching is on and the block size differs from the hash block
-                size, or there is not exactly one group.
-        """
+        """Builds the coordinator; see :class:`KVCacheCoordinator` (the core refuses a block
+        size other than the hash block size with caching on, COORD-7)."""
         super().__init__(
             kv_cache_config,
             max_model_len,
@@ -442,13 +425,6 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         )
         self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = self.kv_cache_spec.block_size * dcp_world_size * pcp_world_size
-        if enable_caching and hash_block_size != self.block_size:
-            raise InvalidConfigError(
-                f"one group needs hash_block_size ({hash_block_size}) == block_size "
-                f"({self.block_size})"
-            )
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise InvalidConfigError("the unitary coordinator needs exactly one group")
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
@@ -475,12 +451,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hash_block_size: int,
         metrics_collector: Any = None,
     ) -> None:
-        """Builds the coordinator and its attention groups (COORD-9).
+        """Builds the coordinator and its attention groups (COORD-9; the core refuses group
+        sizes the hash block size does not divide and context parallelism).
 
         Raises:
-            InvalidConfigError: A group size the hash block size does not divide, context
-                parallelism, equal specs with different managers, or fewer than two attention
-                groups.
+            InvalidConfigError: Equal specs with different managers, or fewer than two
+                attention groups.
         """
         super().__init__(
             kv_cache_config,
@@ -496,11 +472,6 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             metrics_collector,
         )
         self.hash_block_size = hash_block_size
-        groups = kv_cache_config.kv_cache_groups
-        if any(g.kv_cache_spec.block_size % hash_block_size for g in groups):
-            raise InvalidConfigError("every group block size must be divisible by hash_block_size")
-        if dcp_world_size != 1 or pcp_world_size != 1:
-            raise InvalidConfigError("hybrid KV cache groups do not support dcp/pcp > 1")
         self.verify_and_split_kv_cache_groups()
 
     def verify_and_split_kv_cache_groups(self) -> None:

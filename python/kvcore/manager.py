@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from kvcore._native import BlockPool, KVCacheManagerCore
 from kvcore.blocks import KVCacheBlocks
-from kvcore.coordinator import get_kv_cache_coordinator, hashes_at_block_size
+from kvcore.coordinator import get_kv_cache_coordinator
 from kvcore.errors import InvalidConfigError
 from kvcore.events import BlockStored, KVCacheEvent
 from kvcore.specs import (
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["KVCacheManager", "PrefixCacheStats"]
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class PrefixCacheStats:
@@ -346,11 +347,7 @@ class KVCacheManager(KVCacheManagerCore):
             cache_salt=cache_salt,
             block_hasher=get_request_block_hasher(hbs, self.hash_fn),
         )
-        hashes = list(probe.block_hashes)
-        return [
-            (gid, hashes_at_block_size(hashes, g.kv_cache_spec.block_size, hbs))
-            for gid, g in enumerate(self.kv_cache_config.kv_cache_groups)
-        ]
+        return self._hashes_per_group(probe.block_hashes)
 
     def _prefix_count(self, per_group: Sequence[int]) -> int:
         """The leading prefix blocks counted in every full-attention group (CC-5)."""
@@ -433,7 +430,7 @@ class KVCacheManager(KVCacheManagerCore):
         Returns:
             The events in emission order.
         """
-        events: list[KVCacheEvent] = self.block_pool.take_events()
+        events: list[KVCacheEvent] = list(self.block_pool.take_events())
         meta = self.kv_cache_event_metadata
         for event in events:
             if not isinstance(event, BlockStored) or event.group_idx is None:

@@ -118,6 +118,7 @@ class SingleTypeKVCacheManager:
         kv_cache_group_id: The group id.
         block_size: ``spec.block_size * dcp * pcp`` (STM-1).
         use_eagle: Whether this group's hits drop the EAGLE block.
+        admission_cap: The admission cap in blocks (SWA-1, CLA-1), or None.
     """
 
     kind: ClassVar[str] = "full"
@@ -129,6 +130,7 @@ class SingleTypeKVCacheManager:
         kv_cache_group_id: int,
         block_size: int,
         use_eagle: bool,
+        admission_cap: int | None,
         core: KVCacheManagerCore,
     ) -> None:
         """A view of group ``kv_cache_group_id`` of ``core``."""
@@ -136,6 +138,7 @@ class SingleTypeKVCacheManager:
         self.kv_cache_group_id = kv_cache_group_id
         self.block_size = block_size
         self.use_eagle = use_eagle
+        self.admission_cap = admission_cap
         self._core = core
 
     @property

@@ -9,10 +9,9 @@ class converts at exactly those points and is otherwise kvcore's ``KVCacheManage
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-from kvcore._native import BlockPool, Retention
+from kvcore._native import Retention
 from kvcore.errors import InvalidConfigError
 from kvcore.manager import KVCacheManager as _KVCacheManager
 from kvcore.vllm._convert import (
@@ -22,69 +21,49 @@ from kvcore.vllm._convert import (
     vllm_prefix_cache_stats,
 )
 
-_PER_REQUEST = frozenset(
-    {
-        "get_num_blocks_to_allocate",
-        "allocate_new_computed_blocks",
-        "allocate_new_blocks",
-        "cache_blocks",
-        "free",
-        "pop_blocks_for_free",
-        "get_num_common_prefix_blocks",
-        "remove_skipped_blocks",
-        "get_blocks",
-    }
-)
 
-
-def _refusal(name: str) -> Callable[..., Any]:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"coordinator.{name}: kvcore keeps this configuration's requests in its Rust "
-            "manager; ask the KVCacheManager instead (kvcore.vllm.Scheduler builds the "
-            "manager with a Python coordinator when a KV connector is configured)"
-        )
-
-    return refuse
-
-
-def vllm_coordinator(coordinator: Any, refused: frozenset[str] = frozenset()) -> Any:
+def vllm_coordinator(coordinator: Any) -> Any:
     """kvcore's coordinator seen as an instance of vLLM's coordinator class of the same name.
 
     vLLM's scheduler tests ``isinstance(manager.coordinator, HybridKVCacheCoordinator)`` to
     choose its Mamba + KV connector path. The returned object is an instance of a subclass of
-    vLLM's class whose ``__init__`` is never run: every method vLLM's class defines is replaced,
-    on the instance, by kvcore's bound method (no extra frame), every other attribute is read
-    from kvcore's coordinator, and the ``refused`` methods raise ``NotImplementedError``.
+    vLLM's class, made once per class, whose ``__init__`` is never run: each method vLLM's
+    class defines and kvcore's coordinator has is a method of the subclass that calls
+    kvcore's, and every other attribute is read from kvcore's coordinator.
 
     Args:
         coordinator: A ``kvcore.coordinator`` coordinator.
-        refused: Methods to refuse (per-request questions kvcore's coordinator cannot answer).
     """
     import vllm.v1.core.kv_cache_coordinator as vllm_coordinators
 
     base = getattr(vllm_coordinators, type(coordinator).__name__)
     facade_cls = _FACADES.get(base)
     if facade_cls is None:
-        facade_cls = type(
-            f"Kvcore{base.__name__}",
-            (base,),
-            {
-                "__init__": lambda self: None,
-                "__getattr__": lambda self, name: getattr(self.__dict__["_kvcore"], name),
-                "__module__": __name__,
-            },
-        )
+        names = {n for klass in base.__mro__ for n in vars(klass) if not n.startswith("__")}
+        ours = type(coordinator)
+        body: dict[str, Any] = {
+            "__init__": lambda self: None,
+            "__getattr__": lambda self, name: getattr(self.__dict__["_kvcore"], name),
+            "__module__": __name__,
+        }
+        for name in names:
+            if callable(getattr(ours, name, None)):
+                body[name] = _forward(name)
+        facade_cls = type(f"Kvcore{base.__name__}", (base,), body)
         _FACADES[base] = facade_cls
     facade: Any = object.__new__(facade_cls)
     facade.__dict__["_kvcore"] = coordinator
-    names = {n for klass in base.__mro__ for n in vars(klass) if not n.startswith("__")}
-    for name in names:
-        if name in refused:
-            facade.__dict__[name] = _refusal(name)
-        elif hasattr(coordinator, name):
-            facade.__dict__[name] = getattr(coordinator, name)
     return facade
+
+
+def _forward(name: str) -> Any:
+    """A method that calls kvcore's coordinator's method ``name``."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.__dict__["_kvcore"], name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
 
 
 _FACADES: dict[type, type] = {}
@@ -172,30 +151,20 @@ class KVCacheManager(_KVCacheManager):
             None,
             watermark,
         )
-        self._pool = cast(BlockPool, self.block_pool)
         self.metrics_collector = metrics_collector
         if metrics_collector is not None:
-            self._pool.record_block_ops(True)
-        refused: frozenset[str] = frozenset()
-        if self._native is not None:
-            # The Rust manager holds the requests; without caching no request has common
-            # prefix blocks, so that answer (all zeros) holds whoever holds them.
-            refused = _PER_REQUEST - (
-                set() if self.enable_caching else {"get_num_common_prefix_blocks"}
-            )
+            self.block_pool.record_block_ops(True)
         self._kvcore_coordinator = self.coordinator
-        self.coordinator = vllm_coordinator(self.coordinator, refused)
-        if retention_from_priority():
-            # An instance attribute, as the native methods are (CC-4).
-            self.free = self._free_by_priority  # type: ignore[method-assign]
+        self.coordinator = vllm_coordinator(self.coordinator)
+        self._priority_retention = retention_from_priority()
 
-    def _free_by_priority(self, request: Any) -> None:
-        """``free`` with vLLM's scheduling priority as the retention priority (CC-4)."""
-        retention = Retention(min(100, max(0, 50 - int(request.priority))))
-        if self._native is not None:
-            self._native.free(request, retention)
+    def free(self, request: Any) -> None:
+        """Frees the request's blocks (MGR-20); with ``KVCORE_VLLM_RETENTION_FROM_PRIORITY=1``
+        its scheduling priority becomes the retention priority of its cached blocks (CC-4)."""
+        if self._priority_retention:
+            self._free_retained(request, Retention(min(100, max(0, 50 - int(request.priority)))))
         else:
-            self._kvcore_coordinator.free(request.request_id, retention)
+            super().free(request)
 
     def take_events(self) -> list[Any]:
         """The pool's events as ``vllm.distributed.kv_events`` objects (same fields).
@@ -203,7 +172,7 @@ class KVCacheManager(_KVCacheManager):
         With a metrics collector, first hands it the pool's recorded block operations.
         """
         if self.metrics_collector is not None:
-            feed_metrics(self.metrics_collector, self._pool.take_block_ops())
+            feed_metrics(self.metrics_collector, self.block_pool.take_block_ops())
         return vllm_events(super().take_events())
 
     def make_prefix_cache_stats(self) -> Any:

@@ -24,11 +24,7 @@ from kvcore.vllm.plugin import note_scheduler_built
 def _install_kvcore_manager(scheduler: Any, hash_block_size: int | None) -> None:
     """Replaces the scheduler's vLLM manager with kvcore's, built from the same arguments."""
     old = scheduler.kv_cache_manager
-    # With a KV connector the scheduler asks the coordinator per-request questions (async
-    # loads' remaining blocks), which only the Python coordinator path can answer.
-    use_native = scheduler.connector is None
-    cls = KVCacheManager if use_native else _PythonPathKVCacheManager
-    scheduler.kv_cache_manager = cls(
+    scheduler.kv_cache_manager = KVCacheManager(
         kv_cache_config=scheduler.kv_cache_config,
         max_model_len=scheduler.max_model_len,
         max_num_batched_tokens=scheduler.scheduler_config.max_num_batched_tokens,
@@ -47,12 +43,6 @@ def _install_kvcore_manager(scheduler: Any, hash_block_size: int | None) -> None
     if scheduler.connector is not None:
         scheduler.connector.bind_gpu_block_pool(scheduler.kv_cache_manager.block_pool)
     note_scheduler_built()
-
-
-class _PythonPathKVCacheManager(KVCacheManager):
-    """kvcore's manager on its Python coordinator path (every coordinator query answerable)."""
-
-    use_native_fast_path = False
 
 
 class Scheduler(_VllmScheduler):  # type: ignore[misc]

@@ -12,11 +12,11 @@ use std::ops::Range;
 
 use crate::error::PoolError;
 use crate::events::{MetaRequest, StoredMeta};
-use crate::full_attention::SlotHint;
 use crate::hash::BlockHash;
 use crate::pool::retention::Retention;
 use crate::pool::{BlockId, BlockPool, HashSource};
 use crate::single_type::{GroupConfig, HashList, HashView, HitBlocks, Kind, SingleTypeManager};
+use crate::tables::SlotHint;
 
 #[inline]
 fn cdiv(a: usize, b: usize) -> usize {
@@ -158,9 +158,6 @@ impl Coordinator {
     pub fn new(pool: &mut BlockPool, cfg: CoordinatorConfig) -> Result<Self, PoolError> {
         let sbs = cfg.scheduler_block_size;
         let hbs = pool.hash_block_size();
-        if cfg.groups.is_empty() {
-            return Err(PoolError::Config("a KV cache configuration needs a group".into()));
-        }
         if hbs == 0 || sbs == 0 || !sbs.is_multiple_of(hbs) {
             return Err(PoolError::Config(format!(
                 "scheduler_block_size={sbs} must be a multiple of hash_block_size={hbs}"
@@ -169,7 +166,10 @@ impl Coordinator {
         if cfg.eagle_groups.len() != cfg.groups.len() {
             return Err(PoolError::Config("one EAGLE flag per group".into()));
         }
-        let cp = cfg.groups[0].dcp_world_size.max(1) * cfg.groups[0].pcp_world_size.max(1);
+        let cp = cfg
+            .groups
+            .first()
+            .map_or(1, |g| g.dcp_world_size.max(1) * g.pcp_world_size.max(1));
         let mut groups = Vec::with_capacity(cfg.groups.len());
         for (g, &eagle) in cfg.groups.iter().zip(&cfg.eagle_groups) {
             if g.spec_block_size == 0 || !sbs.is_multiple_of(g.spec_block_size) {
@@ -298,6 +298,18 @@ impl Coordinator {
         self.groups.iter().map(|g| g.blocks(id)).collect()
     }
 
+    /// Per group, the indexes of the hash-block-size list that are the group's hashes (RH-3:
+    /// every `block_size / hash_block_size`-th), for a list of `num_hashes` hashes.
+    pub fn hash_indexes(&self, num_hashes: usize) -> Vec<Vec<usize>> {
+        self.groups
+            .iter()
+            .map(|g| {
+                let k = (g.block_size() / self.hash_block_size).max(1);
+                (1..=num_hashes / k).map(|j| j * k - 1).collect()
+            })
+            .collect()
+    }
+
     /// The hashes of group `g` as a view of the hash-block-size list.
     fn view<'h>(&self, hashes: &'h dyn HashList, spec_block_size: usize) -> HashView<'h> {
         HashView {
@@ -407,7 +419,10 @@ impl Coordinator {
             }
         }
         self.num_uncached_common_prefix_tokens = longest.saturating_sub(hit_length);
-        Ok((res.into_iter().map(Option::unwrap_or_default).collect(), hit_length))
+        Ok((
+            res.into_iter().map(Option::unwrap_or_default).collect(),
+            hit_length,
+        ))
     }
 
     /// COORD-12: every attention group looked up on its own; hit blocks and hit length per
@@ -702,7 +717,12 @@ impl Coordinator {
         num_prompt_tokens: Option<usize>,
     ) -> Result<(), PoolError> {
         for &i in &self.skippers {
-            self.groups[i].remove_skipped_blocks(pool, id, total_computed_tokens, num_prompt_tokens)?;
+            self.groups[i].remove_skipped_blocks(
+                pool,
+                id,
+                total_computed_tokens,
+                num_prompt_tokens,
+            )?;
         }
         Ok(())
     }
@@ -810,6 +830,7 @@ impl Coordinator {
     /// hits (STM-4), the external-token blocks (STM-5) and the new blocks (STM-3) need more
     /// blocks than are free although the capacity check passed. Groups that are not of the
     /// base rules are not simulated.
+    #[allow(clippy::too_many_arguments)]
     fn check_allocation_fits(
         &self,
         pool: &BlockPool,
@@ -910,27 +931,40 @@ impl Coordinator {
             self.check_cacheable(req.id, to_cache, false, None, num_hashes)?;
         }
         for &i in &self.skippers {
-            self.groups[i].remove_skipped_blocks(pool, req.id, total, Some(req.num_prompt_tokens))?;
+            self.groups[i].remove_skipped_blocks(
+                pool,
+                req.id,
+                total,
+                Some(req.num_prompt_tokens),
+            )?;
         }
         for (i, g) in self.groups.iter().enumerate() {
             let have = g.tables.at_slot(slots[i]).blocks.len();
             need += cdiv(need_slot, g.block_size()).saturating_sub(have);
         }
         if (need > 0 || wm > 0 || args.reserved_blocks != 0)
-            && !fits(need as i64, wm, pool.get_num_free_blocks(), args.reserved_blocks)
+            && !fits(
+                need as i64,
+                wm,
+                pool.get_num_free_blocks(),
+                args.reserved_blocks,
+            )
         {
             return Ok(Some(None));
         }
         let mut out = Vec::with_capacity(self.groups.len());
         for (i, g) in self.groups.iter_mut().enumerate() {
-            out.push(g.tables.grow_slot(pool, slots[i], cdiv(need_slot, g.block_size()))?);
+            out.push(
+                g.tables
+                    .grow_slot(pool, slots[i], cdiv(need_slot, g.block_size()))?,
+            );
         }
         if caching {
             let hashes = RefCell::new(hashes);
-            for i in 0..self.groups.len() {
+            for (i, &slot) in slots.iter().enumerate().take(self.groups.len()) {
                 let n = self.cache_length(i, to_cache);
                 let g = &self.groups[i];
-                if g.tables.at_slot(slots[i]).num_cached.unwrap_or(0) < n / g.block_size() {
+                if g.tables.at_slot(slot).num_cached.unwrap_or(0) < n / g.block_size() {
                     self.cache_group(pool, i, req, n, &hashes, meta)?;
                 }
             }
@@ -1080,7 +1114,8 @@ impl Coordinator {
         if computed {
             self.allocate_new_computed_blocks(pool, req.id, hits, local, ext)?;
         }
-        let new = self.allocate_new_blocks(pool, req.id, need_slot, main, args.num_encoder_tokens)?;
+        let new =
+            self.allocate_new_blocks(pool, req.id, need_slot, main, args.num_encoder_tokens)?;
         if caching {
             self.cache_blocks(pool, &req, to_cache, hashes, meta)?;
         }
@@ -1112,3 +1147,7 @@ impl Coordinator {
             .collect()
     }
 }
+
+#[cfg(test)]
+#[path = "coordinator_tests.rs"]
+mod tests;

@@ -10,16 +10,21 @@
 //!   pins, invalidation, router-exact events);
 //! - block hashing ([`hashing`]): pickle and canonical CBOR written natively, SHA-256 and XXH3,
 //!   byte-identical to the reference implementation; the msgpack event encoder ([`msgpack`]);
-//! - the request-level manager of a model whose only KV-cache group is full attention
-//!   ([`full_attention`]): per-request block tables, hit search, `allocate_slots`, caching and
-//!   free, keyed by request id and driven by the token counts the caller passes.
+//! - the request-level manager of every KV-cache configuration: [`coordinator`] (the
+//!   no-prefix-cache, unitary and hybrid coordinators' rules: hit search over all groups with
+//!   the hybrid fixed point, caching lengths, `allocate_slots`, free), over one
+//!   [`single_type::SingleTypeManager`] per group (full attention, RSWA, sink, sliding window,
+//!   chunked local, Mamba in its three modes, cross-attention: each type's hit search, blocks to
+//!   allocate, allocation, caching masks, skipping and freeing), whose per-request state is a
+//!   [`tables::BlockTables`]; keyed by request id and driven by the token counts the caller
+//!   passes.
 //!
-//! It has no Python dependency (no pyo3): `cargo test` alone tests it. The per-request state
-//! of the other attention types (sliding window, chunked local, Mamba, cross-attention, sink)
-//! and the hybrid coordinators are Python (`python/kvcore`), calling the pool. The PyO3
-//! bindings in `kvcore-py` convert arguments and errors and also hold some glue of their own:
-//! reading a Python request's fields, the request block hasher's window and parent handling, the
-//! Python fallback for hash inputs the native encoders do not cover, and event conversion.
+//! It has no Python dependency (no pyo3): `cargo test` alone tests it. The caller chooses the
+//! configuration's policy (which coordinator, each group's type, which groups are looked up
+//! together); the Python package (`python/kvcore`) does, from the reference's spec objects. The
+//! PyO3 bindings in `kvcore-py` convert arguments, results and errors; they also read a Python
+//! request's fields and fall back to Python serialisation for hash inputs the native encoders
+//! do not cover.
 //!
 //! ## Examples
 //! ```
@@ -37,14 +42,14 @@
 pub mod coordinator;
 pub mod error;
 pub mod events;
-pub mod full_attention;
 pub mod hash;
 pub mod hashing;
 pub mod huge;
 pub mod msgpack;
 pub mod pool;
-pub mod single_type;
 pub mod prefetch;
+pub mod single_type;
+pub mod tables;
 pub mod value;
 
 pub use error::PoolError;

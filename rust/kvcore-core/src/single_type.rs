@@ -1,6 +1,6 @@
 //! The per-group block managers of every attention type (SPEC §10–15): one
 //! [`SingleTypeManager`] per KV-cache group, holding each request's block table in that group
-//! ([`FullAttentionTables`]) and the type's rules for hit search, allocation, caching, skipping
+//! ([`BlockTables`]) and the type's rules for hit search, allocation, caching, skipping
 //! and freeing. The request-level coordinator ([`crate::coordinator`]) drives them; nothing
 //! here knows about Python.
 //!
@@ -12,10 +12,10 @@ use hashbrown::{HashMap, HashSet};
 
 use crate::error::PoolError;
 use crate::events::{MetaRequest, StoredMeta};
-use crate::full_attention::FullAttentionTables;
 use crate::hash::BlockHash;
 use crate::pool::retention::Retention;
 use crate::pool::{BlockId, BlockPool, HashSource};
+use crate::tables::BlockTables;
 
 #[inline]
 fn cdiv(a: usize, b: usize) -> usize {
@@ -133,6 +133,10 @@ struct MambaState {
 pub trait HashList {
     /// Number of hashes.
     fn len(&self) -> usize;
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     /// Hash `i` (`i < len`); `None` reads as a miss.
     fn get(&self, i: usize) -> Option<BlockHash>;
 }
@@ -203,7 +207,7 @@ pub struct SingleTypeManager {
     /// Whether this group's hits drop the EAGLE block (set by the coordinator).
     pub use_eagle: bool,
     /// The request tables.
-    pub tables: FullAttentionTables,
+    pub tables: BlockTables,
     mamba: MambaState,
     sink_blocks: Vec<BlockId>,
 }
@@ -240,7 +244,7 @@ impl SingleTypeManager {
             enable_caching: cfg.enable_caching,
             scheduler_block_size: cfg.scheduler_block_size,
             use_eagle: false,
-            tables: FullAttentionTables::new(block_size, cfg.group_id, cfg.record_new_ids),
+            tables: BlockTables::new(block_size, cfg.group_id, cfg.record_new_ids),
             mamba: MambaState::default(),
             sink_blocks,
         })
@@ -315,6 +319,7 @@ impl SingleTypeManager {
     ///
     /// # Errors
     /// [`PoolError::Invariant`] when a running request is given hits.
+    #[allow(clippy::too_many_arguments)]
     pub fn get_num_blocks_to_allocate(
         &self,
         pool: &BlockPool,
@@ -498,7 +503,9 @@ impl SingleTypeManager {
         let seen = self.mamba.allocated.contains(id);
         let skipped = required - ns - 1;
         let moves = if seen {
-            (prev.saturating_sub(ns)..prev).take_while(|&j| j < skipped).count()
+            (prev.saturating_sub(ns)..prev)
+                .take_while(|&j| j < skipped)
+                .count()
         } else {
             0
         };
@@ -573,7 +580,8 @@ impl SingleTypeManager {
         if cached >= full {
             return Ok(());
         }
-        let mask = self.reachable_block_mask(cached, full, retention_interval, num_prompt_tokens)?;
+        let mask =
+            self.reachable_block_mask(cached, full, retention_interval, num_prompt_tokens)?;
         let gid = self.group_id();
         let e = self.tables.entry(id);
         let new = e.blocks.get(cached..full).ok_or_else(|| {
@@ -827,7 +835,7 @@ impl SingleTypeManager {
         self.tables.take_new_block_ids()
     }
 
-    /// Checks the tables against the pool ([`FullAttentionTables::check_invariants`]).
+    /// Checks the tables against the pool ([`BlockTables::check_invariants`]).
     ///
     /// # Errors
     /// A message naming the first violation.
@@ -878,9 +886,11 @@ impl SingleTypeManager {
                 } else {
                     empty()
                 };
-                let pop_all = |hit: &mut HitBlocks| hit.iter_mut().for_each(|h| {
-                    h.pop();
-                });
+                let pop_all = |hit: &mut HitBlocks| {
+                    hit.iter_mut().for_each(|h| {
+                        h.pop();
+                    })
+                };
                 if drop_eagle_block && hit.first().is_some_and(|h| !h.is_empty()) {
                     pop_all(&mut hit);
                 }
@@ -898,7 +908,8 @@ impl SingleTypeManager {
                 no_cp()?;
                 let bs = spec_block_size;
                 let need = sliding_window_need(window, bs, drop_eagle_block);
-                let mut at = |j: usize| -> Result<Option<BlockHash>, PoolError> { Ok(hashes.get(j)) };
+                let mut at =
+                    |j: usize| -> Result<Option<BlockHash>, PoolError> { Ok(hashes.get(j)) };
                 pool.sliding_window_hit(
                     max_length / bs,
                     &mut at,
@@ -937,9 +948,15 @@ impl SingleTypeManager {
             Kind::Mamba { .. } => {
                 no_cp()?;
                 let bs = spec_block_size;
-                let mut at = |j: usize| -> Result<Option<BlockHash>, PoolError> { Ok(hashes.get(j)) };
-                let found =
-                    pool.last_aligned_hit(max_length / bs, &mut at, group_ids, bs, alignment_tokens)?;
+                let mut at =
+                    |j: usize| -> Result<Option<BlockHash>, PoolError> { Ok(hashes.get(j)) };
+                let found = pool.last_aligned_hit(
+                    max_length / bs,
+                    &mut at,
+                    group_ids,
+                    bs,
+                    alignment_tokens,
+                )?;
                 Ok(match found {
                     None => empty(),
                     Some((i, hit)) => hit
@@ -963,3 +980,7 @@ impl SingleTypeManager {
 fn sliding_window_need(window: usize, block_size: usize, use_eagle: bool) -> usize {
     cdiv(window.saturating_sub(1), block_size) + usize::from(use_eagle)
 }
+
+#[cfg(test)]
+#[path = "single_type_tests.rs"]
+mod tests;

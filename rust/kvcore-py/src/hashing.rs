@@ -6,7 +6,7 @@
 //! Python layer (`kvcore.hashing`) then serialises with the Python library instead.
 
 use kvcore_core::hash::BlockHash;
-use kvcore_core::hashing::{BlockHasher, HashError, HashFn};
+use kvcore_core::hashing::{new_full_windows, BlockHasher, HashError, HashFn};
 use kvcore_core::value::Value;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -361,12 +361,9 @@ pub struct PyRequestBlockHasher {
 }
 
 impl PyRequestBlockHasher {
-    /// The token range `[start, end)` of the full hash blocks after the first `done`, or
-    /// `None` when no new block is full.
+    /// The token range of the request's new full windows (SPEC RH-1, in the core).
     fn window(&self, done: usize, num_tokens: usize) -> Option<(usize, usize)> {
-        let hbs = self.hash_block_size;
-        let start = done * hbs;
-        (start + hbs <= num_tokens).then(|| (start, start + (num_tokens - start) / hbs * hbs))
+        new_full_windows(done, num_tokens, self.hash_block_size)
     }
 
     /// The parent of block `done` read from the hash list (`Some(None)` for the first block,

@@ -1,15 +1,17 @@
 //! PyO3 bindings of `kvcore-core`, compiled as the private module `kvcore._native`.
 //!
-//! Most `#[pymethods]` bodies convert arguments, call the core and convert results, and
-//! `errors.rs` is the one place core errors become Python exceptions. Some glue lives here and
-//! not in the core today: reading the fields of a Python request object (`request.rs`, and the
-//! duck-typed path of `manager.rs`), the request block hasher's window and parent handling and
-//! the choice between native and Python serialisation of hash inputs (`hashing.rs`), the
-//! conversion of core events into Python event objects (`events.rs`) and the msgpack walk over
-//! Python event objects (`msgpack.rs`). `sync.rs` serialises calls from many threads on one
-//! pool or manager. The bindings never import the Python package (`kvcore.hashing` registers
-//! the one Python function events need). The module's whole Python surface is the declarative
-//! `#[pymodule]` below and its stub `python/kvcore/_native.pyi`.
+//! The `#[pymethods]` bodies convert arguments, call the core and convert results, and
+//! `errors.rs` is the one place core errors become Python exceptions. What is not plain
+//! conversion: reading the fields of a Python request object (`request.rs`, and the duck-typed
+//! path of `manager.rs`: a request is read before the core's state is held, so that its Python
+//! attributes cannot re-enter a call), the choice between native and Python serialisation of
+//! hash inputs (`hashing.rs`: an input the native encoders cannot reproduce byte-identically
+//! goes to the Python hasher), the conversion of core events into Python event objects
+//! (`events.rs`) and the msgpack walk over Python event objects (`msgpack.rs`). `sync.rs`
+//! serialises calls from many threads on one pool or manager. The bindings never import the
+//! Python package (`kvcore.hashing` registers the one Python function events need). The
+//! module's whole Python surface is the declarative `#[pymodule]` below and its stub
+//! `python/kvcore/_native.pyi`.
 
 use pyo3::prelude::*;
 

@@ -224,7 +224,11 @@ impl Inner {
     }
 
     /// Reads per-group hit ids (`KVCacheBlocks.blocks` or a tuple of id sequences).
-    fn read_groups(&self, py: Python<'_>, groups: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<BlockId>>> {
+    fn read_groups(
+        &self,
+        py: Python<'_>,
+        groups: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Vec<BlockId>>> {
         let num_blocks = lock_cell(py, self.pool(py).get().cell(), "pool")?
             .core()
             .num_blocks();
@@ -431,7 +435,12 @@ fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>
 }
 
 /// The request-level manager core; see the module docs.
-#[pyclass(module = "kvcore._native", name = "KVCacheManagerCore", subclass, frozen)]
+#[pyclass(
+    module = "kvcore._native",
+    name = "KVCacheManagerCore",
+    subclass,
+    frozen
+)]
 pub struct PyManagerCore {
     inner: OnceLock<Inner>,
 }
@@ -470,12 +479,12 @@ impl PyManagerCore {
         groups: &Bound<'_, PyAny>,
         eagle_groups: Vec<bool>,
         attention_groups: Vec<(Vec<u32>, bool, bool)>,
-        max_model_len: usize,
-        watermark_blocks: usize,
-        scheduler_block_size: usize,
+        max_model_len: i64,
+        watermark_blocks: i64,
+        scheduler_block_size: i64,
         retention_interval: Option<usize>,
-        dcp_world_size: usize,
-        pcp_world_size: usize,
+        dcp_world_size: i64,
+        pcp_world_size: i64,
         clip: Vec<bool>,
         blocks_cls: PyObject,
         empty: PyObject,
@@ -485,6 +494,18 @@ impl PyManagerCore {
                 "the manager core is already initialised".into(),
             )));
         }
+        let size = |v: i64, what: &str| {
+            usize::try_from(v).map_err(|_| {
+                to_pyerr(PoolError::Config(format!(
+                    "{what} must be non-negative, got {v}"
+                )))
+            })
+        };
+        let max_model_len = size(max_model_len, "max_model_len")?;
+        let watermark_blocks = size(watermark_blocks, "watermark_blocks")?;
+        let scheduler_block_size = size(scheduler_block_size, "scheduler_block_size")?;
+        let dcp_world_size = size(dcp_world_size, "dcp_world_size")?;
+        let pcp_world_size = size(pcp_world_size, "pcp_world_size")?;
         let mode = match mode {
             "no_prefix_cache" => Mode::NoPrefixCache,
             "unitary" => Mode::Unitary,
@@ -559,7 +580,11 @@ impl PyManagerCore {
     }
 
     /// SPEC MGR-6/7 without stats: `(hit blocks, hit tokens)`.
-    fn _computed_blocks(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<(PyObject, usize)> {
+    fn _computed_blocks(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+    ) -> PyResult<(PyObject, usize)> {
         let me = self.me()?;
         // The request is read first: nothing is held while a duck-typed request runs code.
         if !me.caching
@@ -701,29 +726,38 @@ impl PyManagerCore {
     }
 
     /// SPEC MGR-20. The request's `retention_priority` / `retention_ttl_s` (kvcore extension),
-    /// or `retention` when given, place its cached blocks in the free queue.
-    #[pyo3(signature = (request, retention = None))]
-    fn free(
-        &self,
-        py: Python<'_>,
-        request: &Bound<'_, PyAny>,
-        retention: Option<&Bound<'_, PyRetention>>,
-    ) -> PyResult<()> {
+    /// when it has them, place its cached blocks in the free queue.
+    #[pyo3(text_signature = "($self, request)")]
+    fn free(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = request_id(request)?;
-        let retention = match retention {
-            Some(r) => r.get().retention(),
-            None => request_retention(request)?,
-        };
+        let retention = request_retention(request)?;
         self.free_id(py, &id, retention)
     }
 
+    /// SPEC MGR-20 with an explicit retention (kvcore extension, CC-1).
+    fn _free_retained(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        retention: &Bound<'_, PyRetention>,
+    ) -> PyResult<()> {
+        let id = request_id(request)?;
+        self.free_id(py, &id, retention.get().retention())
+    }
+
     /// SPEC MGR-21: the request's blocks, group by group in allocation order, not freed.
-    fn pop_blocks_for_free(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+    #[pyo3(text_signature = "($self, request)")]
+    fn pop_blocks_for_free(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<BlockId>> {
         let id = request_id(request)?;
         Ok(self.me()?.lock(py)?.pop(&id_key(&id)?))
     }
 
     /// SPEC MGR-25.
+    #[pyo3(text_signature = "($self, request_id)")]
     fn get_blocks(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<PyObject> {
         let id = id_key(request_id_of(request_id)?)?;
         let me = self.me()?;
@@ -733,6 +767,7 @@ impl PyManagerCore {
     }
 
     /// SPEC MGR-25: a fresh list per group.
+    #[pyo3(text_signature = "($self, request_id)")]
     fn get_block_ids<'py>(
         &self,
         py: Python<'py>,
@@ -744,6 +779,7 @@ impl PyManagerCore {
     }
 
     /// SPEC MGR-26.
+    #[pyo3(text_signature = "($self, request_id, num_computed_tokens)")]
     fn get_block_ids_for_computed_tokens<'py>(
         &self,
         py: Python<'py>,
@@ -758,6 +794,7 @@ impl PyManagerCore {
     }
 
     /// SPEC MGR-22 / FA-2: one count per group.
+    #[pyo3(text_signature = "($self, running_request_id)")]
     fn get_num_common_prefix_blocks(
         &self,
         py: Python<'_>,
@@ -771,6 +808,7 @@ impl PyManagerCore {
     }
 
     /// SPEC MGR-27: caches the request's full blocks when caching is on.
+    #[pyo3(text_signature = "($self, request, num_computed_tokens)")]
     fn cache_blocks(
         &self,
         py: Python<'_>,
@@ -784,7 +822,10 @@ impl PyManagerCore {
     }
 
     /// SPEC MGR-22: frees the blocks outside the attention windows.
-    #[pyo3(signature = (request_id, total_computed_tokens, num_prompt_tokens = None))]
+    #[pyo3(
+        signature = (request_id, total_computed_tokens, num_prompt_tokens = None),
+        text_signature = "($self, request_id, total_computed_tokens, num_prompt_tokens=None)"
+    )]
     fn remove_skipped_blocks(
         &self,
         py: Python<'_>,
@@ -806,11 +847,13 @@ impl PyManagerCore {
     }
 
     /// SPEC MGR-29: the ids allocated since the last call, group by group.
+    #[pyo3(text_signature = "($self)")]
     fn take_new_block_ids(&self, py: Python<'_>) -> PyResult<Vec<BlockId>> {
         Ok(self.me()?.lock(py)?.take_new_block_ids())
     }
 
     /// SPEC MGR-30.
+    #[pyo3(text_signature = "($self)")]
     fn new_step_starts(&self, py: Python<'_>) -> PyResult<()> {
         self.me()?.lock(py)?.new_step_starts();
         Ok(())
@@ -917,7 +960,10 @@ impl PyManagerCore {
     }
 
     /// COORD-3: the new ids per group.
-    #[pyo3(signature = (request_id, num_tokens, num_tokens_main_model, num_encoder_tokens = Count(0)))]
+    #[pyo3(
+        signature = (request_id, num_tokens, num_tokens_main_model, num_encoder_tokens = Count(0)),
+        text_signature = "($self, request_id, num_tokens, num_tokens_main_model, num_encoder_tokens=0)"
+    )]
     fn coordinator_allocate_new_blocks<'py>(
         &self,
         py: Python<'py>,
@@ -1090,6 +1136,28 @@ impl PyManagerCore {
             .map_err(|e| to_pyerr(PoolError::Invariant(e)))
     }
 
+    /// Per group `(group id, the group's hashes)`: every `block_size / hash_block_size`-th of
+    /// `block_hashes` (RH-3), as `pin_prefix` and `unpin_prefix` take them.
+    fn _hashes_per_group<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<(usize, Bound<'py, PyList>)>> {
+        let list = list_or_copy(block_hashes)?;
+        let indexes = self.me()?.lock(py)?.hash_indexes(list.len()?);
+        indexes
+            .into_iter()
+            .enumerate()
+            .map(|(gid, idx)| {
+                let items = idx
+                    .into_iter()
+                    .map(|i| list.get_item(i))
+                    .collect::<PyResult<Vec<_>>>()?;
+                Ok((gid, PyList::new(py, items)?))
+            })
+            .collect()
+    }
+
     /// Number of groups.
     #[getter]
     fn num_groups(&self) -> PyResult<usize> {
@@ -1098,7 +1166,12 @@ impl PyManagerCore {
 }
 
 impl PyManagerCore {
-    fn free_id(&self, py: Python<'_>, id: &Bound<'_, PyString>, retention: Retention) -> PyResult<()> {
+    fn free_id(
+        &self,
+        py: Python<'_>,
+        id: &Bound<'_, PyString>,
+        retention: Retention,
+    ) -> PyResult<()> {
         let me = self.me()?;
         // The clock is read before the manager is held.
         let now = if retention.ttl_s().is_some() {
@@ -1116,7 +1189,10 @@ impl PyManagerCore {
     }
 }
 
-fn group_of(core: &Coordinator, group: usize) -> PyResult<&kvcore_core::single_type::SingleTypeManager> {
+fn group_of(
+    core: &Coordinator,
+    group: usize,
+) -> PyResult<&kvcore_core::single_type::SingleTypeManager> {
     core.groups
         .get(group)
         .ok_or_else(|| invalid(format!("no group {group}")))

@@ -9,9 +9,9 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use kvcore_core::full_attention::SlotHint;
 use kvcore_core::hash::BlockHash;
 use kvcore_core::prefetch::{prefetch, prefetch_lines};
+use kvcore_core::tables::SlotHint;
 use pyo3::basic::CompareOp;
 use pyo3::exceptions::PyIndexError;
 use pyo3::intern;

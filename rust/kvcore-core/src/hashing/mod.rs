@@ -207,6 +207,22 @@ impl HashFn {
     }
 }
 
+/// SPEC RH-1: the token range `[start, end)` of a request's full hash windows after the first
+/// `done` (those it has hashes for), or `None` when no new window is full.
+pub fn new_full_windows(
+    done: usize,
+    num_tokens: usize,
+    hash_block_size: usize,
+) -> Option<(usize, usize)> {
+    let start = done.checked_mul(hash_block_size)?;
+    (start.checked_add(hash_block_size)? <= num_tokens).then(|| {
+        (
+            start,
+            start + (num_tokens - start) / hash_block_size * hash_block_size,
+        )
+    })
+}
+
 /// Hashes blocks with one function and one `NONE_HASH`, reusing a serialisation buffer.
 #[derive(Debug, Clone)]
 pub struct BlockHasher {

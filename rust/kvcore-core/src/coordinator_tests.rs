@@ -1,0 +1,406 @@
+//! Unit tests of the request-level manager (SPEC §8–9).
+
+use super::*;
+use crate::single_type::MambaMode;
+
+fn h(x: u8) -> BlockHash {
+    BlockHash::from_slice(&[x; 32]).unwrap()
+}
+
+fn req(id: &str, computed: usize, tokens: usize) -> RequestView<'_> {
+    RequestView {
+        id,
+        num_computed_tokens: computed,
+        num_tokens: tokens,
+        num_prompt_tokens: tokens,
+        waiting_or_preempted: true,
+        hint: None,
+    }
+}
+
+fn group(kind: Kind, bs: usize, gid: u32, sbs: usize, caching: bool) -> GroupConfig {
+    GroupConfig {
+        kind,
+        spec_block_size: bs,
+        dcp_world_size: 1,
+        pcp_world_size: 1,
+        group_id: gid,
+        record_new_ids: kind == Kind::Full,
+        admission_cap: None,
+        enable_caching: caching,
+        scheduler_block_size: sbs,
+    }
+}
+
+fn unitary(p: &mut BlockPool, max_model_len: usize, watermark: usize, eagle: bool) -> Coordinator {
+    let caching = p.enable_caching();
+    Coordinator::new(
+        p,
+        CoordinatorConfig {
+            mode: if caching {
+                Mode::Unitary
+            } else {
+                Mode::NoPrefixCache
+            },
+            groups: vec![group(
+                Kind::Full,
+                p.hash_block_size(),
+                0,
+                p.hash_block_size(),
+                caching,
+            )],
+            eagle_groups: vec![eagle],
+            attention_groups: Vec::new(),
+            max_model_len,
+            watermark_blocks: watermark,
+            scheduler_block_size: p.hash_block_size(),
+            retention_interval: None,
+        },
+    )
+    .unwrap()
+}
+
+fn hybrid(p: &mut BlockPool) -> Coordinator {
+    Coordinator::new(
+        p,
+        CoordinatorConfig {
+            mode: Mode::Hybrid,
+            groups: vec![
+                group(Kind::Full, 16, 0, 16, true),
+                group(Kind::SlidingWindow { window: 32 }, 16, 1, 16, true),
+            ],
+            eagle_groups: vec![false, false],
+            attention_groups: vec![
+                AttentionGroup {
+                    group_ids: vec![0],
+                    use_eagle: false,
+                    is_full: true,
+                },
+                AttentionGroup {
+                    group_ids: vec![1],
+                    use_eagle: false,
+                    is_full: false,
+                },
+            ],
+            max_model_len: 1024,
+            watermark_blocks: 0,
+            scheduler_block_size: 16,
+            retention_interval: None,
+        },
+    )
+    .unwrap()
+}
+
+fn alloc(
+    m: &mut Coordinator,
+    p: &mut BlockPool,
+    r: RequestView<'_>,
+    args: AllocateArgs<'_>,
+    hashes: &[BlockHash],
+) -> Option<Vec<Vec<BlockId>>> {
+    let mut get = |i: usize| -> Result<BlockHash, PoolError> { Ok(hashes[i]) };
+    let ranges = m
+        .allocate_slots(
+            p,
+            r,
+            args,
+            HashSource {
+                len: &mut || Ok(hashes.len()),
+                get: &mut get,
+            },
+            &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+        )
+        .unwrap()?;
+    Some(
+        ranges
+            .into_iter()
+            .enumerate()
+            .map(|(i, range)| m.groups[i].blocks(r.id)[range].to_vec())
+            .collect(),
+    )
+}
+
+fn new_tokens(n: usize) -> AllocateArgs<'static> {
+    AllocateArgs {
+        num_new_tokens: n,
+        has_scheduled_reqs: true,
+        ..Default::default()
+    }
+}
+
+/// SPEC §19 S1: prefix reuse, the last token recomputed, free order, common prefix.
+#[test]
+fn scenario_s1_prefix_reuse_and_free_order() {
+    let mut p = BlockPool::new(10, true, 16, true).unwrap();
+    let mut m = unitary(&mut p, 1024, 0, false);
+    let hashes = [h(1), h(2)];
+    assert_eq!(
+        alloc(&mut m, &mut p, req("r1", 0, 40), new_tokens(40), &hashes),
+        Some(vec![vec![1, 2, 3]])
+    );
+    assert_eq!(m.take_new_block_ids(), vec![1, 2, 3]);
+    m.free(&mut p, "r1", Retention::DEFAULT, 0.0).unwrap();
+    assert_eq!(p.all_free_block_ids(), vec![3, 4, 5, 6, 7, 8, 9, 2, 1]);
+    let (hit, n) = m.find_longest_cache_hit(&p, &&hashes[..], 39).unwrap();
+    assert_eq!((hit.clone(), n), (vec![vec![1, 2]], 32));
+    let a = AllocateArgs {
+        num_new_tokens: 8,
+        num_new_computed_tokens: 32,
+        new_computed_blocks: Some(&hit),
+        has_scheduled_reqs: true,
+        ..Default::default()
+    };
+    assert_eq!(
+        alloc(&mut m, &mut p, req("r2", 0, 40), a, &hashes),
+        Some(vec![vec![3]])
+    );
+    assert_eq!(m.blocks("r2"), vec![&[1, 2, 3][..]]);
+    // MGR-7: a fully cached 32-token prompt hits only 16.
+    let (hit3, _) = m.find_longest_cache_hit(&p, &&hashes[..], 31).unwrap();
+    assert_eq!(hit3, vec![vec![1]]);
+    let a3 = AllocateArgs {
+        num_new_tokens: 16,
+        num_new_computed_tokens: 16,
+        new_computed_blocks: Some(&hit3),
+        has_scheduled_reqs: true,
+        ..Default::default()
+    };
+    assert_eq!(
+        alloc(&mut m, &mut p, req("r3", 0, 32), a3, &hashes),
+        Some(vec![vec![4]])
+    );
+    assert_eq!(m.get_num_common_prefix_blocks(&p, "r2"), vec![1]);
+    m.free(&mut p, "r2", Retention::DEFAULT, 0.0).unwrap();
+    m.free(&mut p, "r3", Retention::DEFAULT, 0.0).unwrap();
+    assert_eq!(p.all_free_block_ids(), vec![3, 5, 6, 7, 8, 9, 2, 4, 1]);
+    m.check_invariants(&p).unwrap();
+}
+
+/// ALLOC-1 refuses zero tokens; a request that does not fit changes nothing.
+#[test]
+fn alloc_1_zero_tokens_rejected_and_capacity_none() {
+    let mut p = BlockPool::new(5, false, 16, false).unwrap();
+    let mut m = unitary(&mut p, 1024, 0, false);
+    let mut get = |_: usize| -> Result<BlockHash, PoolError> { Ok(h(0)) };
+    let r = m.allocate_slots(
+        &mut p,
+        req("x", 0, 10),
+        AllocateArgs::default(),
+        HashSource {
+            len: &mut || Ok(0),
+            get: &mut get,
+        },
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+    );
+    assert!(matches!(r, Err(PoolError::Invalid(_))));
+    assert_eq!(
+        alloc(&mut m, &mut p, req("x", 0, 100), new_tokens(100), &[]),
+        None
+    );
+    assert_eq!(p.get_num_free_blocks(), 4);
+    assert!(!m.groups[0].tables.contains("x"));
+}
+
+/// Fuzz find (`fuzz/seeds/manager/crash-allocate-slots-token-sum-overflow`): token counts near
+/// `usize::MAX` neither overflow the sums nor wrap the fit test.
+#[test]
+fn allocate_slots_huge_counts_neither_panic_nor_wrap() {
+    let fresh = || BlockPool::new(10, false, 16, false).unwrap();
+    let mut p = fresh();
+    let mut m = unitary(&mut p, 1024, 0, false);
+    let a = AllocateArgs {
+        num_new_tokens: 1,
+        num_new_computed_tokens: 1,
+        ..Default::default()
+    };
+    assert_eq!(
+        alloc(&mut m, &mut p, req("x", usize::MAX, usize::MAX), a, &[]),
+        None
+    );
+    let a = AllocateArgs {
+        num_new_tokens: usize::MAX,
+        num_lookahead_tokens: usize::MAX,
+        num_external_computed_tokens: usize::MAX,
+        ..Default::default()
+    };
+    let mut get = |_: usize| -> Result<BlockHash, PoolError> { Ok(h(0)) };
+    let r = m.allocate_slots(
+        &mut p,
+        req("x", 5, usize::MAX),
+        a,
+        HashSource {
+            len: &mut || Ok(0),
+            get: &mut get,
+        },
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+    );
+    assert!(matches!(
+        r,
+        Ok(None) | Err(PoolError::NotEnoughFreeBlocks { .. })
+    ));
+    assert_eq!(p.get_num_free_blocks(), 9);
+    let mut p = fresh();
+    let mut m = unitary(&mut p, usize::MAX, 0, false);
+    let a = AllocateArgs {
+        num_new_tokens: 4,
+        full_sequence_must_fit: true,
+        ..Default::default()
+    };
+    assert_eq!(alloc(&mut m, &mut p, req("x", 0, usize::MAX), a, &[]), None);
+    let mut m = unitary(&mut p, 1024, usize::MAX, false);
+    assert_eq!(
+        alloc(&mut m, &mut p, req("x", 0, 16), new_tokens(16), &[]),
+        None
+    );
+    let mut m = unitary(&mut p, 1024, 0, false);
+    let a = AllocateArgs {
+        num_new_tokens: 16,
+        reserved_blocks: i64::MIN,
+        ..Default::default()
+    };
+    assert_eq!(
+        alloc(&mut m, &mut p, req("x", 0, 32), a, &[]),
+        Some(vec![vec![1]])
+    );
+    let a = AllocateArgs {
+        num_new_tokens: 16,
+        reserved_blocks: i64::MAX,
+        ..Default::default()
+    };
+    assert_eq!(alloc(&mut m, &mut p, req("x", 16, 48), a, &[]), None);
+    m.check_invariants(&p).unwrap();
+}
+
+/// MGR-26 clips by the spec's block size under context parallelism.
+#[test]
+fn mgr_26_counts_computed_tokens_in_the_spec_block_size() {
+    let mut p = BlockPool::new(10, false, 32, false).unwrap();
+    let mut g = group(Kind::Full, 16, 0, 32, false);
+    g.dcp_world_size = 2;
+    let mut m = Coordinator::new(
+        &mut p,
+        CoordinatorConfig {
+            mode: Mode::NoPrefixCache,
+            groups: vec![g],
+            eagle_groups: vec![false],
+            attention_groups: Vec::new(),
+            max_model_len: 1024,
+            watermark_blocks: 0,
+            scheduler_block_size: 32,
+            retention_interval: None,
+        },
+    )
+    .unwrap();
+    let got = alloc(&mut m, &mut p, req("x", 0, 150), new_tokens(150), &[]).unwrap();
+    assert_eq!(got[0].len(), 5);
+    assert_eq!(
+        m.block_ids_for_computed_tokens("x", 28, &[true]),
+        vec![&got[0][..2]]
+    );
+    assert_eq!(
+        m.block_ids_for_computed_tokens("x", 75, &[true]),
+        vec![&got[0][..5]]
+    );
+    assert_eq!(
+        m.block_ids_for_computed_tokens("x", 75, &[false]),
+        vec![&got[0][..]]
+    );
+}
+
+/// TV-S4 (COORD-9/11, SWA-2 frees, MGR-20 order, SWA-3 hit) on the hybrid coordinator, and
+/// the decode path's one lookup per group.
+#[test]
+fn hybrid_full_plus_sliding_window() {
+    let mut p = BlockPool::new(30, true, 16, true).unwrap();
+    let mut m = hybrid(&mut p);
+    let hashes: Vec<BlockHash> = (0..7).map(h).collect();
+    let got = alloc(&mut m, &mut p, req("r1", 0, 100), new_tokens(100), &hashes).unwrap();
+    assert_eq!(got, vec![(1..8).collect::<Vec<_>>(), (8..15).collect()]);
+    // A decode step past the window frees the sliding-window group's blocks behind it.
+    let got = alloc(&mut m, &mut p, req("r1", 100, 113), new_tokens(13), &hashes).unwrap();
+    assert_eq!(got, vec![vec![15], vec![16]]);
+    assert_eq!(&m.blocks("r1")[1][..4], &[0, 0, 0, 0]);
+    m.free(&mut p, "r1", Retention::DEFAULT, 0.0).unwrap();
+    let (hit, n) = m.find_longest_cache_hit(&p, &&hashes[..], 99).unwrap();
+    assert_eq!(n, 96);
+    assert_eq!(hit[0], (1..7).collect::<Vec<_>>());
+    assert_eq!(hit[1], vec![0, 0, 0, 0, 12, 13]);
+    m.check_invariants(&p).unwrap();
+}
+
+/// A refused allocation with external tokens undoes ALLOC-6's frees (nothing changes).
+#[test]
+fn refused_external_allocation_changes_nothing() {
+    let mut p = BlockPool::new(12, true, 16, false).unwrap();
+    let mut m = hybrid(&mut p);
+    let hashes: Vec<BlockHash> = (0..4).map(h).collect();
+    let before = p.all_free_block_ids();
+    let a = AllocateArgs {
+        num_new_tokens: 16,
+        num_external_computed_tokens: 2000,
+        new_computed_blocks: Some(&[Vec::new(), Vec::new()]),
+        ..Default::default()
+    };
+    let mut get = |i: usize| -> Result<BlockHash, PoolError> { Ok(hashes[i]) };
+    let r = m.allocate_slots(
+        &mut p,
+        req("e", 0, 64),
+        a,
+        HashSource {
+            len: &mut || Ok(hashes.len()),
+            get: &mut get,
+        },
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+    );
+    assert!(r.is_err() || matches!(r, Ok(None)), "{r:?}");
+    assert_eq!(p.all_free_block_ids(), before);
+    m.check_invariants(&p).unwrap();
+}
+
+/// Mamba's align mode through the coordinator: a negative count is summed as the reference
+/// sums it.
+#[test]
+fn mamba_align_counts_may_be_negative() {
+    let mut p = BlockPool::new(30, true, 16, false).unwrap();
+    let mamba = Kind::Mamba {
+        mode: MambaMode::Align,
+        num_speculative_blocks: 1,
+    };
+    let mut m = Coordinator::new(
+        &mut p,
+        CoordinatorConfig {
+            mode: Mode::Hybrid,
+            groups: vec![
+                group(Kind::Full, 16, 0, 16, true),
+                group(mamba, 16, 1, 16, true),
+            ],
+            eagle_groups: vec![false, false],
+            attention_groups: vec![
+                AttentionGroup {
+                    group_ids: vec![0],
+                    use_eagle: false,
+                    is_full: true,
+                },
+                AttentionGroup {
+                    group_ids: vec![1],
+                    use_eagle: false,
+                    is_full: false,
+                },
+            ],
+            max_model_len: 1024,
+            watermark_blocks: 0,
+            scheduler_block_size: 16,
+            retention_interval: None,
+        },
+    )
+    .unwrap();
+    let hashes: Vec<BlockHash> = (0..3).map(h).collect();
+    let got = alloc(&mut m, &mut p, req("a", 0, 40), new_tokens(40), &hashes).unwrap();
+    assert_eq!(got, vec![vec![1, 2, 3], vec![0, 0, 4, 5]]);
+    let need = m
+        .get_num_blocks_to_allocate(&p, "a", 16, None, 0, 16, 16, false)
+        .unwrap();
+    assert_eq!(need, -2);
+    m.free(&mut p, "a", Retention::DEFAULT, 0.0).unwrap();
+    m.check_invariants(&p).unwrap();
+}
