@@ -1508,6 +1508,8 @@ fn group(kind: Kind, spec_block_size: usize, gid: usize, caching: bool, sbs: usi
         admission_cap: None,
         enable_caching: caching,
         scheduler_block_size: sbs,
+        // The coordinator sets it from its own.
+        max_model_len: 0,
     }
 }
 

@@ -110,14 +110,66 @@ pub struct AllocateArgs<'a> {
     pub num_encoder_tokens: usize,
     /// Admission gate on the whole sequence.
     pub full_sequence_must_fit: bool,
-    /// Free blocks to leave for others.
+    /// Free blocks to leave for others (a negative count reserves none).
     pub reserved_blocks: i64,
     /// Whether other requests are scheduled this step.
     pub has_scheduled_reqs: bool,
 }
 
-/// The newly allocated blocks of one call: per group, a range of the request's table.
-pub type NewBlocks = Vec<Range<usize>>;
+/// The newly allocated blocks of one call: per group, a range of the request's table (held
+/// inline for up to four groups: a decode step allocates nothing on the heap for it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NewBlocks {
+    inline: [(usize, usize); 4],
+    len: usize,
+    more: Vec<(usize, usize)>,
+}
+
+impl NewBlocks {
+    fn push(&mut self, r: Range<usize>) {
+        if self.len < self.inline.len() {
+            self.inline[self.len] = (r.start, r.end);
+        } else {
+            self.more.push((r.start, r.end));
+        }
+        self.len += 1;
+    }
+
+    /// Number of groups.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there is no group.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The range of group `i`.
+    pub fn get(&self, i: usize) -> Option<Range<usize>> {
+        let (a, b) = if i < self.inline.len() {
+            (i < self.len).then(|| self.inline[i])?
+        } else {
+            *self.more.get(i - self.inline.len())?
+        };
+        Some(a..b)
+    }
+
+    /// The ranges in group order.
+    pub fn iter(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        (0..self.len).filter_map(|i| self.get(i))
+    }
+}
+
+impl FromIterator<Range<usize>> for NewBlocks {
+    fn from_iter<I: IntoIterator<Item = Range<usize>>>(iter: I) -> Self {
+        let mut out = Self::default();
+        for r in iter {
+            out.push(r);
+        }
+        out
+    }
+}
 
 /// A request's hashes at the hash block size, read lazily (only when blocks fill).
 pub type Hashes<'a, E> = HashSource<'a, E>;
@@ -177,7 +229,13 @@ impl Coordinator {
                     "scheduler_block_size={sbs} must be a multiple of every group block size"
                 )));
             }
-            let mut m = SingleTypeManager::new(pool, *g)?;
+            let mut m = SingleTypeManager::new(
+                pool,
+                GroupConfig {
+                    max_model_len: cfg.max_model_len,
+                    ..*g
+                },
+            )?;
             m.use_eagle = eagle;
             groups.push(m);
         }
@@ -332,6 +390,7 @@ impl Coordinator {
         hashes: &dyn HashList,
         max_cache_hit_length: usize,
     ) -> Result<(HitBlocks, usize), PoolError> {
+        let max_cache_hit_length = self.searchable(hashes, max_cache_hit_length);
         let n = self.groups.len();
         match self.mode {
             Mode::NoPrefixCache => Ok((vec![Vec::new(); n], 0)),
@@ -353,6 +412,17 @@ impl Coordinator {
             }
             Mode::Hybrid => self.hybrid_hit(pool, hashes, max_cache_hit_length),
         }
+    }
+
+    /// `max_len` capped where the hashes end: a hit never goes past the last full hash
+    /// window, and every type's search gives the same result for any longer limit (full
+    /// attention and the window types find misses there; chunked local attention's chunk start
+    /// lies at or below the last hash boundary either way, since `num_tokens - 1` is at most
+    /// `hash_block_size - 1` tokens past it). The cap keeps a caller's huge limit from sizing
+    /// the searches' per-block buffers.
+    fn searchable(&self, hashes: &dyn HashList, max_len: usize) -> usize {
+        let hbs = self.hash_block_size;
+        max_len.min(hashes.len().saturating_mul(hbs).saturating_add(hbs - 1))
     }
 
     /// COORD-11's fixed point.
@@ -377,7 +447,11 @@ impl Coordinator {
                     continue;
                 }
                 let drop = ag.use_eagle && !verified[idx];
-                let limit = if drop { (cur + bs).min(max_len) } else { cur };
+                let limit = if drop {
+                    cur.saturating_add(bs).min(max_len)
+                } else {
+                    cur
+                };
                 let hit = SingleTypeManager::find_longest_cache_hit(
                     rep.kind(),
                     pool,
@@ -441,6 +515,7 @@ impl Coordinator {
                 "per-group lookups need the hybrid coordinator".into(),
             ));
         }
+        let max_cache_hit_length = self.searchable(hashes, max_cache_hit_length);
         let n = self.groups.len();
         let (mut blocks, mut lengths) = (vec![Vec::new(); n], vec![0; n]);
         for ag in &self.attention {
@@ -488,7 +563,7 @@ impl Coordinator {
     ) -> Result<i64, PoolError> {
         let mut total = 0i64;
         for (i, g) in self.groups.iter().enumerate() {
-            total += if g.kind() == Kind::CrossAttention {
+            let n = if g.kind() == Kind::CrossAttention {
                 g.get_num_blocks_to_allocate(
                     pool,
                     id,
@@ -510,6 +585,7 @@ impl Coordinator {
                     apply_admission_cap,
                 )?
             };
+            total = total.saturating_add(n);
         }
         Ok(total)
     }
@@ -589,6 +665,7 @@ impl Coordinator {
 
     /// The token count each group caches up to (COORD-6; hybrid: COORD-10's scheduler-aligned
     /// length plus the EAGLE block).
+    #[inline]
     pub fn cache_length(&self, group: usize, num_computed_tokens: usize) -> usize {
         if self.mode != Mode::Hybrid {
             return num_computed_tokens;
@@ -597,7 +674,7 @@ impl Coordinator {
         let aligned = num_computed_tokens / sbs * sbs;
         let g = &self.groups[group];
         if g.use_eagle && aligned > 0 {
-            num_computed_tokens.min(aligned + g.block_size())
+            num_computed_tokens.min(aligned.saturating_add(g.block_size()))
         } else {
             aligned
         }
@@ -762,6 +839,9 @@ impl Coordinator {
 
     /// MGR-29: the recorded new block ids, group by group.
     pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        if let [g] = self.groups.as_mut_slice() {
+            return g.take_new_block_ids();
+        }
         self.groups
             .iter_mut()
             .flat_map(SingleTypeManager::take_new_block_ids)
@@ -952,7 +1032,7 @@ impl Coordinator {
         {
             return Ok(Some(None));
         }
-        let mut out = Vec::with_capacity(self.groups.len());
+        let mut out = NewBlocks::default();
         for (i, g) in self.groups.iter_mut().enumerate() {
             out.push(
                 g.tables
@@ -997,6 +1077,17 @@ impl Coordinator {
         }
         let hits = args.new_computed_blocks;
         if let Some(h) = hits {
+            if let Some(&b) = h
+                .iter()
+                .flatten()
+                .find(|&&b| b as usize >= pool.num_blocks())
+            {
+                return Err(PoolError::BlockOutOfRange {
+                    block_id: i64::from(b),
+                    num_blocks: pool.num_blocks(),
+                }
+                .into());
+            }
             if h.len() != self.groups.len() {
                 return Err(PoolError::Invalid(format!(
                     "new_computed_blocks has {} groups, the manager has {}",
@@ -1065,6 +1156,9 @@ impl Coordinator {
             ))
             .into());
         }
+        for g in &self.groups {
+            g.check_main_model_tokens(main)?;
+        }
         if caching {
             let num_hashes = (hashes.len)()?;
             self.check_cacheable(req.id, to_cache, false, hits, num_hashes)?;
@@ -1100,7 +1194,12 @@ impl Coordinator {
             main,
             false,
         )?;
-        if !fits(need, wm, pool.get_num_free_blocks(), args.reserved_blocks) {
+        if !fits(
+            need,
+            wm,
+            pool.get_num_free_blocks(),
+            args.reserved_blocks.max(0),
+        ) {
             return Ok(None);
         }
         if let Some(undo) = undo {

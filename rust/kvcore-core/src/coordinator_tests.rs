@@ -29,6 +29,7 @@ fn group(kind: Kind, bs: usize, gid: u32, sbs: usize, caching: bool) -> GroupCon
         admission_cap: None,
         enable_caching: caching,
         scheduler_block_size: sbs,
+        max_model_len: 1024,
     }
 }
 
@@ -113,7 +114,7 @@ fn alloc(
         .unwrap()?;
     Some(
         ranges
-            .into_iter()
+            .iter()
             .enumerate()
             .map(|(i, range)| m.groups[i].blocks(r.id)[range].to_vec())
             .collect(),
@@ -403,4 +404,168 @@ fn mamba_align_counts_may_be_negative() {
     assert_eq!(need, -2);
     m.free(&mut p, "a", Retention::DEFAULT, 0.0).unwrap();
     m.check_invariants(&p).unwrap();
+}
+
+fn full_and(kind: Kind, p: &mut BlockPool, max_model_len: usize) -> Coordinator {
+    Coordinator::new(
+        p,
+        CoordinatorConfig {
+            mode: Mode::Hybrid,
+            groups: vec![
+                group(Kind::Full, 16, 0, 16, true),
+                group(kind, 16, 1, 16, true),
+            ],
+            eagle_groups: vec![false, false],
+            attention_groups: vec![
+                AttentionGroup {
+                    group_ids: vec![0],
+                    use_eagle: false,
+                    is_full: true,
+                },
+                AttentionGroup {
+                    group_ids: vec![1],
+                    use_eagle: false,
+                    is_full: false,
+                },
+            ],
+            max_model_len,
+            watermark_blocks: 0,
+            scheduler_block_size: 16,
+            retention_interval: None,
+        },
+    )
+    .unwrap()
+}
+
+fn try_alloc(
+    m: &mut Coordinator,
+    p: &mut BlockPool,
+    r: RequestView<'_>,
+    args: AllocateArgs<'_>,
+) -> Result<Option<NewBlocks>, PoolError> {
+    let mut get = |_: usize| -> Result<BlockHash, PoolError> { Ok(h(0)) };
+    m.allocate_slots(
+        p,
+        r,
+        args,
+        HashSource {
+            len: &mut || Ok(0),
+            get: &mut get,
+        },
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+    )
+}
+
+/// Fuzz finds (`fuzz/seeds/manager/crash-block-count-wrap`, `crash-two-group-sum-overflow`):
+/// a block count above `i64::MAX` wrapped to a negative need that "fit", and the groups' sum
+/// overflowed; counts now saturate, so the request is refused and nothing changes.
+#[test]
+fn huge_block_counts_saturate() {
+    let mut p = BlockPool::new(10, false, 1, false).unwrap();
+    let mut m = unitary(&mut p, usize::MAX, 0, false);
+    let a = AllocateArgs {
+        num_new_tokens: usize::MAX,
+        ..Default::default()
+    };
+    assert_eq!(
+        try_alloc(&mut m, &mut p, req("x", 0, usize::MAX), a),
+        Ok(None)
+    );
+    assert!(!m.groups[0].tables.contains("x"));
+    let mut p = BlockPool::new(10, true, 16, false).unwrap();
+    let m = full_and(Kind::SlidingWindow { window: 32 }, &mut p, usize::MAX);
+    let need = m
+        .get_num_blocks_to_allocate(&p, "y", usize::MAX, None, 0, 0, usize::MAX, false)
+        .unwrap();
+    assert_eq!(need, 2 * usize::MAX.div_ceil(16) as i64);
+}
+
+/// Fuzz finds (`crash-mamba-align-huge-table`, `crash-window-padding-huge-table`): a token
+/// count past `max_model_len` sized a table of nulls the memory cannot hold (an abort); such
+/// tables are refused, and a Mamba group's count of zero main-model tokens no longer
+/// underflows (`crash-mamba-align-zero-tokens`).
+#[test]
+fn tables_longer_than_a_sequence_are_refused() {
+    let mut p = BlockPool::new(30, true, 16, false).unwrap();
+    let mamba = Kind::Mamba {
+        mode: MambaMode::Align,
+        num_speculative_blocks: 1,
+    };
+    let mut m = full_and(mamba, &mut p, 256);
+    let a = AllocateArgs {
+        num_new_tokens: 1 << 40,
+        delay_cache_blocks: true,
+        ..Default::default()
+    };
+    let free = p.all_free_block_ids();
+    assert!(matches!(
+        try_alloc(&mut m, &mut p, req("a", 0, 1 << 40), a),
+        Err(PoolError::Invalid(_)) | Ok(None)
+    ));
+    assert_eq!(p.all_free_block_ids(), free);
+    let r = m.groups[1].allocate_new_blocks(&mut p, "z", 0, 0).unwrap();
+    assert!(r.is_empty() || r.start <= r.end);
+    let mut p = BlockPool::new(30, true, 16, false).unwrap();
+    let mut g = full_and(Kind::SlidingWindow { window: 32 }, &mut p, usize::MAX);
+    assert!(matches!(
+        g.groups[1].add_local_computed_blocks(&mut p, "w", &[], usize::MAX, 0),
+        Err(PoolError::Invalid(_))
+    ));
+    assert!(!g.groups[1].tables.contains("w"));
+    // Saturated at the top (the exact count would be one more), without overflowing.
+    assert_eq!(
+        g.groups[1].get_num_skipped_tokens(usize::MAX),
+        usize::MAX - 32
+    );
+}
+
+/// Fuzz find (`crash-hit-id-out-of-range`): a hit id outside the pool was read (a panic);
+/// it is refused before anything changes.
+#[test]
+fn hit_ids_outside_the_pool_are_refused() {
+    let mut p = BlockPool::new(10, true, 16, false).unwrap();
+    let mut m = unitary(&mut p, 1024, 0, false);
+    let hits = [vec![999]];
+    let a = AllocateArgs {
+        num_new_tokens: 16,
+        num_external_computed_tokens: 16,
+        new_computed_blocks: Some(&hits),
+        ..Default::default()
+    };
+    assert!(matches!(
+        try_alloc(&mut m, &mut p, req("x", 0, 32), a),
+        Err(PoolError::BlockOutOfRange { block_id: 999, .. })
+    ));
+    assert!(!m.groups[0].tables.contains("x"));
+}
+
+/// Fuzz find (`crash-negative-reserve`): a negative `reserved_blocks` let an allocation that
+/// does not fit pass the capacity check and fail part-way; it reserves nothing now.
+#[test]
+fn a_negative_reservation_reserves_nothing() {
+    let mut p = BlockPool::new(8, false, 16, false).unwrap();
+    let mut m = unitary(&mut p, 1024, 0, false);
+    let empty = [Vec::new()];
+    let a = AllocateArgs {
+        num_new_tokens: 320,
+        new_computed_blocks: Some(&empty),
+        reserved_blocks: -100,
+        ..Default::default()
+    };
+    assert_eq!(try_alloc(&mut m, &mut p, req("x", 0, 320), a), Ok(None));
+    assert!(!m.groups[0].tables.contains("x"));
+    assert_eq!(p.get_num_free_blocks(), 7);
+}
+
+/// Fuzz find (`crash-huge-lookup-limit`): a lookup limit far past the request's hashes sized
+/// the sliding-window search's buffer (an abort); the limit stops where the hashes end.
+#[test]
+fn huge_lookup_limits_stop_at_the_hashes() {
+    let mut p = BlockPool::new(10, true, 16, false).unwrap();
+    let m = full_and(Kind::SlidingWindow { window: 32 }, &mut p, 1024);
+    let hashes = [h(1), h(2)];
+    let (hit, lengths) = m
+        .find_longest_cache_hit_per_group(&p, &&hashes[..], usize::MAX)
+        .unwrap();
+    assert_eq!((hit, lengths), (vec![vec![], vec![]], vec![0, 0]));
 }

@@ -24,6 +24,18 @@ fn cdiv(a: usize, b: usize) -> usize {
 
 const NULL: BlockId = 0;
 
+/// The longest block table a request may have, whatever `max_model_len` says: 2^24 blocks (of
+/// 16 tokens, 268 M tokens), far beyond any model, so that a huge token count is refused
+/// instead of sizing a table of nulls the memory cannot hold.
+pub const MAX_TABLE_BLOCKS: usize = 1 << 24;
+
+/// A count as the reference's exact int would compare: saturated at `i64::MAX`, far above
+/// any pool.
+#[inline]
+fn exact(v: usize) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
 /// How a Mamba group keeps its state blocks (SPEC §14).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MambaMode {
@@ -115,6 +127,10 @@ pub struct GroupConfig {
     pub enable_caching: bool,
     /// The scheduling granularity in tokens (a multiple of the block size).
     pub scheduler_block_size: usize,
+    /// Longest sequence: a request's table holds at most `cdiv(max_model_len, block_size)`
+    /// entries, plus a Mamba group's speculative blocks and one, and at most
+    /// [`MAX_TABLE_BLOCKS`] (null padding beyond that is refused rather than built).
+    pub max_model_len: usize,
 }
 
 /// Mamba's per-step and align-mode state (MAMBA-4..8).
@@ -139,6 +155,10 @@ pub trait HashList {
     }
     /// Hash `i` (`i < len`); `None` reads as a miss.
     fn get(&self, i: usize) -> Option<BlockHash>;
+    /// The hashes as a slice, when they are held natively (a faster walk).
+    fn as_slice(&self) -> Option<&[BlockHash]> {
+        None
+    }
 }
 
 impl HashList for &[BlockHash] {
@@ -147,6 +167,9 @@ impl HashList for &[BlockHash] {
     }
     fn get(&self, i: usize) -> Option<BlockHash> {
         <[BlockHash]>::get(self, i).copied()
+    }
+    fn as_slice(&self) -> Option<&[BlockHash]> {
+        Some(self)
     }
 }
 
@@ -187,8 +210,37 @@ impl HashView<'_> {
 
     /// The hashes `start..end` at the group's block size, up to the first that cannot be
     /// read.
-    pub fn range(&self, start: usize, end: usize) -> impl Iterator<Item = BlockHash> + '_ {
-        (start..end.min(self.len())).map_while(move |j| self.get(j))
+    pub fn range(&self, start: usize, end: usize) -> HashRange<'_> {
+        let end = end.min(self.len());
+        match self.hashes.as_slice() {
+            Some(s) if self.stride == 1 => HashRange::Slice(s[start.min(end)..end].iter()),
+            _ => HashRange::View(*self, start..end),
+        }
+    }
+}
+
+/// The iterator of [`HashView::range`].
+pub enum HashRange<'a> {
+    /// Native hashes at the group's block size.
+    Slice(std::slice::Iter<'a, BlockHash>),
+    /// Any other view, read entry by entry.
+    View(HashView<'a>, std::ops::Range<usize>),
+}
+
+impl Iterator for HashRange<'_> {
+    type Item = BlockHash;
+    fn next(&mut self) -> Option<BlockHash> {
+        match self {
+            Self::Slice(it) => it.next().copied(),
+            Self::View(view, r) => {
+                let j = r.next()?;
+                let h = view.get(j);
+                if h.is_none() {
+                    r.start = r.end; // stop at the first entry that cannot be read
+                }
+                h
+            }
+        }
     }
 }
 
@@ -210,6 +262,8 @@ pub struct SingleTypeManager {
     pub tables: BlockTables,
     mamba: MambaState,
     sink_blocks: Vec<BlockId>,
+    /// The longest table a request may have (see [`GroupConfig::max_model_len`]).
+    max_blocks: usize,
 }
 
 impl SingleTypeManager {
@@ -224,6 +278,9 @@ impl SingleTypeManager {
         let block_size = cfg.spec_block_size * cp;
         if block_size == 0 {
             return Err(PoolError::Config("block_size must be positive".into()));
+        }
+        if matches!(cfg.kind, Kind::ChunkedLocal { chunk: 0 }) {
+            return Err(PoolError::Config("a chunk of 0 tokens".into()));
         }
         let mut sink_blocks = Vec::new();
         if let Kind::Sink { sink_len } = cfg.kind {
@@ -247,6 +304,18 @@ impl SingleTypeManager {
             tables: BlockTables::new(block_size, cfg.group_id, cfg.record_new_ids),
             mamba: MambaState::default(),
             sink_blocks,
+            max_blocks: cfg
+                .max_model_len
+                .div_ceil(block_size)
+                .saturating_add(match cfg.kind {
+                    Kind::Mamba {
+                        num_speculative_blocks,
+                        ..
+                    } => num_speculative_blocks,
+                    _ => 0,
+                })
+                .saturating_add(1)
+                .min(MAX_TABLE_BLOCKS),
         })
     }
 
@@ -294,7 +363,7 @@ impl SingleTypeManager {
     /// MAMBA-1; Mamba's `n - 1` is 0 for `n == 0`, which every rule reads alike).
     pub fn get_num_skipped_tokens(&self, n: usize) -> usize {
         match self.kind {
-            Kind::SlidingWindow { window } => (n + 1).saturating_sub(window),
+            Kind::SlidingWindow { window } => n.saturating_add(1).saturating_sub(window),
             Kind::ChunkedLocal { chunk } => n / chunk * chunk,
             Kind::Mamba { .. } => n.saturating_sub(1),
             _ => 0,
@@ -335,24 +404,24 @@ impl SingleTypeManager {
                 if !self.mamba.cached_this_step.is_empty() {
                     let key = pool.primary_key(last).map(|(k, _)| k.hash);
                     if key.is_some_and(|k| self.mamba.cached_this_step.contains(&k)) {
-                        return Ok(pool.num_blocks() as i64 + 1);
+                        return Ok(exact(pool.num_blocks()) + 1);
                     }
                 }
             }
             if align {
-                let required = cdiv(num_tokens_main_model, self.block_size) + ns;
+                let required = cdiv(num_tokens_main_model, self.block_size).saturating_add(ns);
                 let have = self.blocks(id).len();
-                let mut new = required as i64 - hits.len() as i64 - have as i64;
+                let mut new = exact(required) - exact(hits.len()) - exact(have);
                 if new > 0 {
                     new = if self.mamba.allocated.contains(id) {
                         1
                     } else {
-                        1 + ns as i64
+                        exact(ns).saturating_add(1)
                     };
                 }
-                return Ok(new + pool.count_evictable(hits) as i64);
+                return Ok(new.saturating_add(exact(pool.count_evictable(hits))));
             }
-            num_tokens = num_tokens.saturating_add(self.spec_block_size * ns);
+            num_tokens = num_tokens.saturating_add(self.spec_block_size.saturating_mul(ns));
         }
         let bs = self.block_size;
         let mut required = cdiv(num_tokens, bs);
@@ -369,12 +438,14 @@ impl SingleTypeManager {
                     "a running request cannot have new prefix hits".into(),
                 ));
             }
-            return Ok(required.saturating_sub(have) as i64);
+            return Ok(exact(required.saturating_sub(have)));
         }
         let skipped = self.get_num_skipped_tokens(total_computed_tokens) / bs;
-        let new = required.saturating_sub(skipped.max(hits.len() + have));
+        let new = required.saturating_sub(skipped.max(hits.len().saturating_add(have)));
         let start = skipped.saturating_sub(have).min(hits.len());
-        Ok((new + pool.count_evictable(&hits[start..])) as i64)
+        Ok(exact(
+            new.saturating_add(pool.count_evictable(&hits[start..])),
+        ))
     }
 
     /// STM-4: a request with no blocks starts with its (touched) hits, after null blocks for
@@ -406,6 +477,7 @@ impl SingleTypeManager {
         }
         let total = num_local_computed_tokens.saturating_add(num_external_computed_tokens);
         let skipped = self.get_num_skipped_tokens(total) / self.block_size;
+        self.check_table_len(skipped)?;
         let hits = &hits[skipped.min(hits.len())..];
         if self.enable_caching {
             pool.touch(hits)?;
@@ -448,6 +520,32 @@ impl SingleTypeManager {
             .map(|_| ())
     }
 
+    /// Refuses a table of `len` entries beyond the longest a sequence has (the reference would
+    /// build a list that long).
+    fn check_table_len(&self, len: usize) -> Result<(), PoolError> {
+        if len > self.max_blocks {
+            return Err(PoolError::Invalid(format!(
+                "a table of {len} blocks is longer than max_model_len allows ({})",
+                self.max_blocks
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses, before anything changes, a main-model token count whose align-mode table would
+    /// be longer than a sequence allows ([`Self::allocate_new_blocks`] would refuse it after
+    /// other groups allocated).
+    ///
+    /// # Errors
+    /// [`PoolError::Invalid`].
+    pub fn check_main_model_tokens(&self, num_tokens_main_model: usize) -> Result<(), PoolError> {
+        match self.mamba_params() {
+            Some((true, ns)) => self
+                .check_table_len(cdiv(num_tokens_main_model, self.block_size).saturating_add(ns)),
+            _ => Ok(()),
+        }
+    }
+
     /// Grows the request's table to `want` blocks, recording the new ids; returns the index
     /// of the first new block.
     fn grow_to(&mut self, pool: &mut BlockPool, id: &str, want: usize) -> Result<usize, PoolError> {
@@ -479,7 +577,7 @@ impl SingleTypeManager {
             if align {
                 return self.allocate_align(pool, id, num_tokens_main_model, ns);
             }
-            num_tokens = num_tokens.saturating_add(self.block_size * ns);
+            num_tokens = num_tokens.saturating_add(self.block_size.saturating_mul(ns));
         }
         let want = cdiv(num_tokens, self.block_size);
         let have = self.grow_to(pool, id, want)?;
@@ -495,13 +593,15 @@ impl SingleTypeManager {
         num_tokens_main_model: usize,
         ns: usize,
     ) -> Result<std::ops::Range<usize>, PoolError> {
-        let required = cdiv(num_tokens_main_model, self.block_size) + ns;
+        let required = cdiv(num_tokens_main_model, self.block_size).saturating_add(ns);
         let prev = self.tables.entry(id).blocks.len();
         if required <= prev {
             return Ok(prev..prev);
         }
+        self.check_table_len(required)?;
         let seen = self.mamba.allocated.contains(id);
-        let skipped = required - ns - 1;
+        // The reference's -1 for no main-model tokens pads nothing and moves nothing, as 0.
+        let skipped = required.saturating_sub(ns.saturating_add(1));
         let moves = if seen {
             (prev.saturating_sub(ns)..prev)
                 .take_while(|&j| j < skipped)
@@ -511,7 +611,7 @@ impl SingleTypeManager {
         };
         let n = required.saturating_sub(prev.max(skipped) + moves);
         // Refused before anything changes (the reference fails after moving blocks).
-        if n > if seen { 1 } else { ns + 1 } {
+        if n > if seen { 1 } else { ns.saturating_add(1) } {
             return Err(PoolError::Invariant(format!(
                 "Mamba align mode would allocate {n} blocks at once"
             )));
@@ -523,7 +623,7 @@ impl SingleTypeManager {
             });
         }
         let last = if seen {
-            prev.checked_sub(1 + ns)
+            prev.checked_sub(ns.saturating_add(1))
         } else {
             prev.checked_sub(1)
         };
@@ -580,16 +680,18 @@ impl SingleTypeManager {
         if cached >= full {
             return Ok(());
         }
+        let held = self.blocks(id).len();
+        if held < full {
+            return Err(PoolError::MissingBlocks(format!(
+                "request {id} holds {held} blocks, fewer than the {full} full ones"
+            ))
+            .into());
+        }
         let mask =
             self.reachable_block_mask(cached, full, retention_interval, num_prompt_tokens)?;
         let gid = self.group_id();
         let e = self.tables.entry(id);
-        let new = e.blocks.get(cached..full).ok_or_else(|| {
-            PoolError::MissingBlocks(format!(
-                "request {id} holds {} blocks, fewer than the {full} full ones",
-                e.blocks.len()
-            ))
-        })?;
+        let new = &e.blocks[cached..full];
         pool.cache_full_blocks(new, cached, full, bs, gid, mask.as_deref(), hashes, meta)?;
         if matches!(self.kind, Kind::Mamba { .. }) {
             for &b in new.iter().filter(|&&b| b != NULL) {

@@ -66,6 +66,7 @@ fn group(kind: Kind, sbs: usize, cap: Option<usize>) -> GroupConfig {
         admission_cap: cap,
         enable_caching: true,
         scheduler_block_size: sbs,
+        max_model_len: 1024,
     }
 }
 

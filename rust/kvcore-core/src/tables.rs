@@ -94,10 +94,12 @@ impl BlockTables {
         }
     }
 
+    #[inline]
     fn slot_of(&self, id: &str) -> Option<u32> {
         self.index.get(id).copied()
     }
 
+    #[inline]
     fn at(&self, slot: u32) -> Option<&RequestBlocks> {
         self.slots.get(slot as usize).and_then(|s| s.entry.as_ref())
     }
@@ -107,6 +109,7 @@ impl BlockTables {
     }
 
     /// The slot of `hint` when it is still valid for these tables.
+    #[inline]
     fn hinted(&self, hint: Option<SlotHint>) -> Option<u32> {
         let h = hint?;
         let slot = self.slots.get(h.slot as usize)?;
@@ -134,11 +137,13 @@ impl BlockTables {
     }
 
     /// Whether `hint` still names a live entry of these tables.
+    #[inline]
     pub fn hint_is_valid(&self, hint: Option<SlotHint>) -> bool {
         self.hinted(hint).is_some()
     }
 
     /// The request's blocks through a valid hint, else by id (empty when unknown).
+    #[inline]
     pub fn blocks_hinted(&self, id: &str, hint: Option<SlotHint>) -> &[BlockId] {
         match self.hinted(hint) {
             Some(s) => self.at(s).map_or(&[], |r| r.blocks.as_slice()),
@@ -190,11 +195,13 @@ impl BlockTables {
     }
 
     /// The slot of the request's entry: through `hint` when it is valid, else by id.
+    #[inline]
     pub(crate) fn resolve(&self, id: &str, hint: Option<SlotHint>) -> Option<u32> {
         self.hinted(hint).or_else(|| self.slot_of(id))
     }
 
     /// The entry in `slot` (a slot [`Self::resolve`] returned, with no removal since).
+    #[inline]
     pub(crate) fn at_slot(&self, slot: u32) -> &RequestBlocks {
         self.at(slot).expect("a resolved slot holds an entry")
     }

@@ -163,7 +163,52 @@ fn group_config(
         admission_cap: cap,
         enable_caching,
         scheduler_block_size,
+        // Set by the coordinator from its own.
+        max_model_len: 0,
     })
+}
+
+/// Per-group block ids copied out of the core in one buffer: `ends[i]` is where group `i`
+/// ends (empty for a single group, which is all of `ids`), so a one-group call allocates at
+/// most the id buffer.
+#[derive(Default)]
+struct Flat {
+    ids: Vec<BlockId>,
+    ends: Vec<usize>,
+}
+
+impl Flat {
+    /// The ids of `groups` ranges of the request's tables, in group order.
+    fn of<'a>(many: bool, groups: impl Iterator<Item = &'a [BlockId]>) -> Self {
+        let mut out = Self::default();
+        for g in groups {
+            out.ids.extend_from_slice(g);
+            if many {
+                out.ends.push(out.ids.len());
+            }
+        }
+        out
+    }
+
+    /// Each group's ids.
+    fn groups(&self) -> Vec<&[BlockId]> {
+        if self.ends.is_empty() {
+            return vec![self.ids.as_slice()];
+        }
+        let mut start = 0;
+        self.ends
+            .iter()
+            .map(|&end| {
+                let g = &self.ids[start..end];
+                start = end;
+                g
+            })
+            .collect()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
 }
 
 /// Everything fixed at `_init_core`, and the coordinator's state.
@@ -199,6 +244,14 @@ impl Inner {
 
     fn pool<'py>(&self, py: Python<'py>) -> &Bound<'py, PyBlockPool> {
         self.pool.bind(py)
+    }
+
+    /// A `KVCacheBlocks` of copied-out ids; the shared empty one when all are empty.
+    fn make_flat(&self, py: Python<'_>, flat: &Flat) -> PyResult<PyObject> {
+        if flat.is_empty() {
+            return Ok(self.empty.clone_ref(py));
+        }
+        self.make_blocks(py, &flat.groups())
     }
 
     /// A `KVCacheBlocks` of per-group ids; the shared empty one when all are empty.
@@ -260,7 +313,7 @@ impl Inner {
         request: &Bound<'py, PyAny>,
         args: AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
-    ) -> PyResult<Option<Vec<Vec<BlockId>>>> {
+    ) -> PyResult<Option<Flat>> {
         // A kvcore Request keeps these four fields in its native base: read them directly.
         let request_core = self.cast.borrow(request)?;
         let id_obj;
@@ -386,16 +439,15 @@ impl Inner {
             }
             _ => hint,
         };
-        let mut out = Vec::with_capacity(ranges.len());
-        for (i, r) in ranges.into_iter().enumerate() {
+        let groups = ranges.iter().enumerate().map(|(i, r)| {
             let blocks = if i == 0 {
                 core.groups[0].tables.blocks_hinted(id, hint)
             } else {
                 core.groups[i].blocks(id)
             };
-            out.push(blocks[r].to_vec());
-        }
-        Ok(Some(out))
+            &blocks[r]
+        });
+        Ok(Some(Flat::of(core.groups.len() > 1, groups)))
     }
 
     /// The request's hashes for a lookup: its native mirror, or its list read lazily.
@@ -660,10 +712,7 @@ impl PyManagerCore {
         };
         match me.allocate(py, request, args, None)? {
             None => Ok(None),
-            Some(ids) => {
-                let groups: Vec<&[BlockId]> = ids.iter().map(Vec::as_slice).collect();
-                Ok(Some(me.make_blocks(py, &groups)?))
-            }
+            Some(flat) => Ok(Some(me.make_flat(py, &flat)?)),
         }
     }
 
@@ -713,13 +762,10 @@ impl PyManagerCore {
             };
             match me.allocate(py, &request?, args, list.map(|l| (l, i)))? {
                 None => break,
-                Some(ids) if allow_none && ids.iter().all(Vec::is_empty) => {
+                Some(flat) if allow_none && flat.is_empty() => {
                     out.append(py.None())?;
                 }
-                Some(ids) => {
-                    let groups: Vec<&[BlockId]> = ids.iter().map(Vec::as_slice).collect();
-                    out.append(Inner::tuple_of(py, &groups)?)?;
-                }
+                Some(flat) => out.append(Inner::tuple_of(py, &flat.groups())?)?,
             }
         }
         Ok(out)
@@ -987,7 +1033,7 @@ impl PyManagerCore {
             .map_err(to_pyerr)?;
         drop(pool);
         let groups: Vec<&[BlockId]> = ranges
-            .into_iter()
+            .iter()
             .enumerate()
             .map(|(i, r)| &core.groups[i].blocks(&id)[r])
             .collect();
