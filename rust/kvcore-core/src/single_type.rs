@@ -984,7 +984,7 @@ impl SingleTypeManager {
                 let bs = spec_block_size * context_parallel;
                 let max_blocks = max_length / bs;
                 let mut hit = if max_blocks > 0 {
-                    pool.longest_cached_prefix(hashes.range(0, max_blocks), group_ids)
+                    prefix_scan(pool, hashes.range(0, max_blocks), group_ids)
                 } else {
                     empty()
                 };
@@ -1037,7 +1037,7 @@ impl SingleTypeManager {
                 }
                 let max_blocks = max_length / bs;
                 let start = max_length / chunk * chunk / bs;
-                let hits = pool.longest_cached_prefix(hashes.range(start, max_blocks), group_ids);
+                let hits = prefix_scan(pool, hashes.range(start, max_blocks), group_ids);
                 Ok(hits
                     .into_iter()
                     .map(|h| {
@@ -1075,6 +1075,15 @@ impl SingleTypeManager {
                 "cross-attention does not support prefix caching".into(),
             )),
         }
+    }
+}
+
+/// FA-1's walk over a range of hashes, with the native slice walked directly (its iterator
+/// inlines into the pool's chunked lookup).
+fn prefix_scan(pool: &BlockPool, range: HashRange<'_>, group_ids: &[u32]) -> HitBlocks {
+    match range {
+        HashRange::Slice(it) => pool.longest_cached_prefix(it.copied(), group_ids),
+        view => pool.longest_cached_prefix(view, group_ids),
     }
 }
 

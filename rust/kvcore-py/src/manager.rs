@@ -439,6 +439,13 @@ impl Inner {
             }
             _ => hint,
         };
+        if let (1, Some(r)) = (ranges.len(), ranges.get(0)) {
+            let ids = core.groups[0].tables.blocks_hinted(id, hint)[r].to_vec();
+            return Ok(Some(Flat {
+                ids,
+                ends: Vec::new(),
+            }));
+        }
         let groups = ranges.iter().enumerate().map(|(i, r)| {
             let blocks = if i == 0 {
                 core.groups[0].tables.blocks_hinted(id, hint)
@@ -633,11 +640,11 @@ impl PyManagerCore {
 
     /// SPEC MGR-6/7 without stats: `(hit blocks, hit tokens)`.
     fn _computed_blocks(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
     ) -> PyResult<(PyObject, usize)> {
-        let me = self.me()?;
+        let me = slf.get().me()?;
         // The request is read first: nothing is held while a duck-typed request runs code.
         if !me.caching
             || request
@@ -672,7 +679,7 @@ impl PyManagerCore {
     )]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         num_new_tokens: Count,
@@ -686,7 +693,7 @@ impl PyManagerCore {
         reserved_blocks: Count,
         has_scheduled_reqs: Flag,
     ) -> PyResult<Option<PyObject>> {
-        let me = self.me()?;
+        let me = slf.get().me()?;
         me.expire_due(py)?;
         // Hits: None or the shared empty instance mean "no hits object" (ALLOC-8).
         let mut hit_ids: Vec<Vec<BlockId>> = Vec::new();
@@ -724,14 +731,14 @@ impl PyManagerCore {
         text_signature = "($self, requests, num_new_tokens, num_lookahead_tokens=0, allow_none=False)"
     )]
     fn allocate_slots_batch<'py>(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'py>,
         requests: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
         num_lookahead_tokens: Count,
         allow_none: Flag,
     ) -> PyResult<Bound<'py, PyList>> {
-        let me = self.me()?;
+        let me = slf.get().me()?;
         me.expire_due(py)?;
         let (Count(lookahead), Flag(allow_none)) = (num_lookahead_tokens, allow_none);
         let counts = num_new_tokens
@@ -774,10 +781,10 @@ impl PyManagerCore {
     /// SPEC MGR-20. The request's `retention_priority` / `retention_ttl_s` (kvcore extension),
     /// when it has them, place its cached blocks in the free queue.
     #[pyo3(text_signature = "($self, request)")]
-    fn free(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn free(slf: &Bound<'_, Self>, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = request_id(request)?;
         let retention = request_retention(request)?;
-        self.free_id(py, &id, retention)
+        slf.get().free_id(py, &id, retention)
     }
 
     /// SPEC MGR-20 with an explicit retention (kvcore extension, CC-1).
@@ -794,19 +801,23 @@ impl PyManagerCore {
     /// SPEC MGR-21: the request's blocks, group by group in allocation order, not freed.
     #[pyo3(text_signature = "($self, request)")]
     fn pop_blocks_for_free(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<BlockId>> {
         let id = request_id(request)?;
-        Ok(self.me()?.lock(py)?.pop(&id_key(&id)?))
+        Ok(slf.get().me()?.lock(py)?.pop(&id_key(&id)?))
     }
 
     /// SPEC MGR-25.
     #[pyo3(text_signature = "($self, request_id)")]
-    fn get_blocks(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<PyObject> {
+    fn get_blocks(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+    ) -> PyResult<PyObject> {
         let id = id_key(request_id_of(request_id)?)?;
-        let me = self.me()?;
+        let me = slf.get().me()?;
         let core = me.lock(py)?;
         let groups = core.blocks(&id);
         me.make_blocks(py, &groups)
@@ -815,12 +826,12 @@ impl PyManagerCore {
     /// SPEC MGR-25: a fresh list per group.
     #[pyo3(text_signature = "($self, request_id)")]
     fn get_block_ids<'py>(
-        &self,
+        slf: &Bound<'_, Self>,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let id = id_key(request_id_of(request_id)?)?;
-        let core = self.me()?.lock(py)?;
+        let core = slf.get().me()?.lock(py)?;
         Inner::tuple_of(py, &core.blocks(&id))
     }
 
@@ -894,14 +905,14 @@ impl PyManagerCore {
 
     /// SPEC MGR-29: the ids allocated since the last call, group by group.
     #[pyo3(text_signature = "($self)")]
-    fn take_new_block_ids(&self, py: Python<'_>) -> PyResult<Vec<BlockId>> {
-        Ok(self.me()?.lock(py)?.take_new_block_ids())
+    fn take_new_block_ids(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<Vec<BlockId>> {
+        Ok(slf.get().me()?.lock(py)?.take_new_block_ids())
     }
 
     /// SPEC MGR-30.
     #[pyo3(text_signature = "($self)")]
-    fn new_step_starts(&self, py: Python<'_>) -> PyResult<()> {
-        self.me()?.lock(py)?.new_step_starts();
+    fn new_step_starts(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<()> {
+        slf.get().me()?.lock(py)?.new_step_starts();
         Ok(())
     }
 
