@@ -799,6 +799,7 @@ impl Harness {
             num_prompt_tokens: a.prompt.map_or(num_tokens, Count::get),
             waiting_or_preempted: a.waiting,
             hint: self.hint(a.hint, id),
+            more_hints: [None; 3],
         };
         let args = AllocateArgs {
             num_new_tokens: a.new_tokens.get(),
@@ -887,6 +888,7 @@ impl Harness {
                 num_prompt_tokens: prompt,
                 waiting_or_preempted: true,
                 hint,
+                more_hints: [None; 3],
             };
             let args = AllocateArgs {
                 num_new_tokens: num_new,
@@ -939,6 +941,7 @@ impl Harness {
                 num_prompt_tokens: sim.prompt,
                 waiting_or_preempted: false,
                 hint,
+                more_hints: [None; 3],
             };
             let args = AllocateArgs {
                 num_new_tokens: num_new,
@@ -1319,6 +1322,7 @@ impl Harness {
                     num_prompt_tokens: prompt.get(),
                     waiting_or_preempted: false,
                     hint: None,
+                    more_hints: [None; 3],
                 };
                 let _ = self.coord.cache_blocks(
                     &mut self.pool,

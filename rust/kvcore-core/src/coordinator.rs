@@ -88,6 +88,8 @@ pub struct RequestView<'a> {
     pub waiting_or_preempted: bool,
     /// Where the request's entry in group 0 was last seen, if the caller kept it.
     pub hint: Option<SlotHint>,
+    /// The same for groups 1 to 3.
+    pub more_hints: [Option<SlotHint>; 3],
 }
 
 /// The arguments of `allocate_slots` (SPEC §8.1).
@@ -983,13 +985,16 @@ impl Coordinator {
         let caching = pool.enable_caching() && !args.delay_cache_blocks;
         let to_cache = main.min(req.num_tokens);
         let mut need = 0usize;
-        // One lookup per group: the slot (group 0 through the caller's hint).
+        // One lookup per group: the slot (the first four groups through the caller's hints).
         let mut slots = [0u32; 8];
         if self.groups.len() > slots.len() {
             return Ok(None);
         }
         for (i, g) in self.groups.iter().enumerate() {
-            let hint = if i == 0 { req.hint } else { None };
+            let hint = match i {
+                0 => req.hint,
+                _ => req.more_hints.get(i - 1).copied().flatten(),
+            };
             let Some(slot) = g.tables.resolve(req.id, hint) else {
                 return Ok(None);
             };

@@ -15,6 +15,7 @@ fn req(id: &str, computed: usize, tokens: usize) -> RequestView<'_> {
         num_prompt_tokens: tokens,
         waiting_or_preempted: true,
         hint: None,
+        more_hints: [None; 3],
     }
 }
 

@@ -354,6 +354,10 @@ impl Inner {
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
         let hint = request_core.as_ref().and_then(|c| c.table_hint.get());
+        let more_hints = match &request_core {
+            Some(c) => [0, 1, 2].map(|i| c.more_hints[i].get()),
+            None => [None; 3],
+        };
         let view = RequestView {
             id,
             num_computed_tokens: num_computed,
@@ -361,6 +365,7 @@ impl Inner {
             num_prompt_tokens,
             waiting_or_preempted,
             hint,
+            more_hints,
         };
         // A kvcore Request's native copy of its hashes, when it matches the list; checked only
         // when a block fills (the list's header is then read once).
@@ -411,8 +416,12 @@ impl Inner {
         let mut core = self.lock(py)?;
         if let Some((list, i)) = next {
             let tables = &core.groups[0].tables;
+            let more = core.groups.get(1..).unwrap_or_default();
             prefetch_ahead(list, i, &self.cast, |c| {
                 tables.prefetch_slot(c.table_hint.get());
+                for (g, h) in more.iter().zip(&c.more_hints) {
+                    g.tables.prefetch_slot(h.get());
+                }
             });
         }
         let mut pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
@@ -439,6 +448,13 @@ impl Inner {
             }
             _ => hint,
         };
+        if let Some(c) = &request_core {
+            for ((g, cell), h) in core.groups.iter().skip(1).zip(&c.more_hints).zip(more_hints) {
+                if !g.tables.hint_is_valid(h) {
+                    cell.set(g.tables.hint(id));
+                }
+            }
+        }
         if let (1, Some(r)) = (ranges.len(), ranges.get(0)) {
             let ids = core.groups[0].tables.blocks_hinted(id, hint)[r].to_vec();
             return Ok(Some(Flat {
@@ -1093,6 +1109,7 @@ impl PyManagerCore {
             num_prompt_tokens,
             waiting_or_preempted: false,
             hint: None,
+            more_hints: [None; 3],
         };
         let mut pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
         Ok(core.cache_blocks::<Error>(

@@ -57,6 +57,8 @@ pub struct PyRequestCore {
     exotic: Vec<(usize, PyObject)>,
     /// Where the Rust manager last found this request's block table (skips the id lookup).
     pub(crate) table_hint: HintCell,
+    /// Hints of the request's entries in groups 1 to 3 (hybrid models).
+    pub(crate) more_hints: [HintCell; 3],
     /// A native copy of `block_hashes`, kept as hashes are appended through this object; the
     /// Rust manager reads it instead of the list while their lengths agree.
     mirror: Vec<BlockHash>,
@@ -135,6 +137,7 @@ impl PyRequestCore {
             block_hasher: py.None(),
             hash_block_size: None,
             table_hint: HintCell::default(),
+            more_hints: Default::default(),
         }
     }
 
@@ -179,6 +182,9 @@ impl PyRequestCore {
         self.id = id_key(&value)?.into_owned();
         self.request_id = value.unbind();
         self.table_hint.set(None);
+        for h in &self.more_hints {
+            h.set(None);
+        }
         Ok(())
     }
 
