@@ -449,7 +449,13 @@ impl Inner {
             _ => hint,
         };
         if let Some(c) = &request_core {
-            for ((g, cell), h) in core.groups.iter().skip(1).zip(&c.more_hints).zip(more_hints) {
+            for ((g, cell), h) in core
+                .groups
+                .iter()
+                .skip(1)
+                .zip(&c.more_hints)
+                .zip(more_hints)
+            {
                 if !g.tables.hint_is_valid(h) {
                     cell.set(g.tables.hint(id));
                 }
