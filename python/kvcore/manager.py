@@ -222,9 +222,10 @@ class KVCacheManager(KVCacheManagerCore):
         self.block_pool.clock = clock
         self.block_pool.exact_router_events = exact_router_events
         self.kv_cache_config = kv_cache_config
-        if not watermark >= 0.0:
-            raise InvalidConfigError(f"watermark must be non-negative, not {watermark}")
-        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        valid_watermark = watermark >= 0.0  # False for NaN too
+        self.watermark_blocks = (
+            int(watermark * kv_cache_config.num_blocks) if valid_watermark else 0
+        )
         self.kv_cache_event_metadata: tuple[tuple[str, int | None], ...] = tuple(
             (
                 get_kv_cache_spec_kind(g.kv_cache_spec).value,
@@ -253,6 +254,9 @@ class KVCacheManager(KVCacheManagerCore):
             self.empty_kv_cache_blocks,
         )
         self.coordinator.bind(self)
+        # After the core's configuration checks, as the reference checks COORD-2 first.
+        if not valid_watermark:
+            raise InvalidConfigError(f"watermark must be non-negative, not {watermark}")
 
     @property
     def usage(self) -> float:
