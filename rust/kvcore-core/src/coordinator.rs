@@ -1016,9 +1016,10 @@ impl Coordinator {
             self.check_cacheable(req.id, to_cache, false, None, num_hashes)?;
         }
         for &i in &self.skippers {
-            self.groups[i].remove_skipped_blocks(
+            self.groups[i].remove_skipped_at(
                 pool,
                 req.id,
+                Some(slots[i]),
                 total,
                 Some(req.num_prompt_tokens),
             )?;

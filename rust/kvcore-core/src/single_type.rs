@@ -819,16 +819,14 @@ impl SingleTypeManager {
     fn remove_blocks_in_range(
         &mut self,
         pool: &mut BlockPool,
-        id: &str,
+        slot: u32,
         first: usize,
         last: usize,
     ) -> Result<(), PoolError> {
-        let Some(e) = self.tables.get_mut(id) else {
-            return Ok(());
-        };
         if first >= last {
             return Ok(());
         }
+        let e = self.tables.at_slot_mut(slot);
         let last = last.min(e.blocks.len());
         let mut freed = Vec::new();
         for i in (first..last).rev() {
@@ -856,6 +854,18 @@ impl SingleTypeManager {
         total_computed_tokens: usize,
         num_prompt_tokens: Option<usize>,
     ) -> Result<(), PoolError> {
+        self.remove_skipped_at(pool, id, None, total_computed_tokens, num_prompt_tokens)
+    }
+
+    /// [`Self::remove_skipped_blocks`] with the request's slot when the caller resolved it.
+    pub(crate) fn remove_skipped_at(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        slot: Option<u32>,
+        total_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
+    ) -> Result<(), PoolError> {
         let bs = self.block_size;
         match self.kind {
             Kind::Full | Kind::Sink { .. } | Kind::CrossAttention => Ok(()),
@@ -863,34 +873,41 @@ impl SingleTypeManager {
                 let Some(prompt) = num_prompt_tokens else {
                     return Ok(());
                 };
+                // STM-8 reads the table without creating an entry.
+                let Some(slot) = slot.or_else(|| self.tables.find_slot(id)) else {
+                    return Ok(());
+                };
                 let first = cdiv(prompt, bs);
                 let window_start = prompt.max(total_computed_tokens.saturating_sub(window));
-                self.remove_blocks_in_range(pool, id, first, window_start / bs)
+                self.remove_blocks_in_range(pool, slot, first, window_start / bs)
             }
             Kind::SlidingWindow { .. } => {
                 let skipped = self.get_num_skipped_tokens(total_computed_tokens);
                 if skipped == 0 {
                     return Ok(());
                 }
-                let blocks = &self.tables.entry(id).blocks;
+                // The reference's default-dict read creates the entry.
+                let slot = slot.unwrap_or_else(|| self.tables.entry_slot(id));
+                let blocks = &self.tables.at_slot(slot).blocks;
                 let n = (skipped / bs).min(blocks.len());
                 // STM-8 walks back from n - 1 and stops at the first null: nothing to do then.
                 if n > 0 && blocks[n - 1] != NULL {
-                    self.remove_blocks_in_range(pool, id, 0, n)?;
+                    self.remove_blocks_in_range(pool, slot, 0, n)?;
                 }
                 Ok(())
             }
-            Kind::ChunkedLocal { .. } => self.remove_base(pool, id, total_computed_tokens),
+            Kind::ChunkedLocal { .. } => self.remove_base(pool, id, slot, total_computed_tokens),
             Kind::Mamba {
                 mode,
                 num_speculative_blocks,
             } => {
                 let n = total_computed_tokens.saturating_sub(num_speculative_blocks);
-                self.remove_base(pool, id, n)?;
+                self.remove_base(pool, id, slot, n)?;
                 if mode == MambaMode::Align {
                     let last = self.mamba.last_state_block_idx.get(id).copied();
                     if let Some(last) = last.filter(|&l| l + 1 < cdiv(n, bs)) {
-                        let e = self.tables.entry(id);
+                        let slot = slot.unwrap_or_else(|| self.tables.entry_slot(id));
+                        let e = self.tables.at_slot_mut(slot);
                         if let Some(&b) = e.blocks.get(last).filter(|&&b| b != NULL) {
                             pool.free_blocks(&[b])?;
                             e.blocks[last] = NULL;
@@ -907,14 +924,16 @@ impl SingleTypeManager {
         &mut self,
         pool: &mut BlockPool,
         id: &str,
+        slot: Option<u32>,
         total_computed_tokens: usize,
     ) -> Result<(), PoolError> {
         let skipped = self.get_num_skipped_tokens(total_computed_tokens);
         if skipped == 0 {
             return Ok(());
         }
-        let n = (skipped / self.block_size).min(self.tables.entry(id).blocks.len());
-        self.remove_blocks_in_range(pool, id, 0, n)
+        let slot = slot.unwrap_or_else(|| self.tables.entry_slot(id));
+        let n = (skipped / self.block_size).min(self.tables.at_slot(slot).blocks.len());
+        self.remove_blocks_in_range(pool, slot, 0, n)
     }
 
     /// MGR-30: a new scheduler step (MAMBA-6 forgets the step's cached hashes).

@@ -251,8 +251,24 @@ impl BlockTables {
             .expect("a slot in the index holds an entry")
     }
 
+    /// The entry in `slot` (a slot [`Self::resolve`] or [`Self::entry_slot`] returned, with
+    /// no removal since), mutable.
+    #[inline]
+    pub(crate) fn at_slot_mut(&mut self, slot: u32) -> &mut RequestBlocks {
+        self.slots[slot as usize]
+            .entry
+            .as_mut()
+            .expect("a resolved slot holds an entry")
+    }
+
+    /// The slot of the request's entry, if it has one.
+    #[inline]
+    pub(crate) fn find_slot(&self, id: &str) -> Option<u32> {
+        self.slot_of(id)
+    }
+
     /// The slot of the request's entry, created empty when missing.
-    fn entry_slot(&mut self, id: &str) -> u32 {
+    pub(crate) fn entry_slot(&mut self, id: &str) -> u32 {
         match self.slot_of(id) {
             Some(s) => s,
             None => {

@@ -168,13 +168,16 @@ fn group_config(
     })
 }
 
-/// Per-group block ids copied out of the core in one buffer: `ends[i]` is where group `i`
-/// ends (empty for a single group, which is all of `ids`), so a one-group call allocates at
-/// most the id buffer.
+/// Per-group block ids copied out of the core in one buffer (a call allocates at most the id
+/// buffer, and nothing when no block is new).
 #[derive(Default)]
 struct Flat {
     ids: Vec<BlockId>,
-    ends: Vec<usize>,
+    /// Where each group ends in `ids`: the first eight inline, the rest in `more`; no entry
+    /// for a single group.
+    ends: [usize; 8],
+    num_ends: usize,
+    more: Vec<usize>,
 }
 
 impl Flat {
@@ -184,20 +187,35 @@ impl Flat {
         for g in groups {
             out.ids.extend_from_slice(g);
             if many {
-                out.ends.push(out.ids.len());
+                let end = out.ids.len();
+                match out.ends.get_mut(out.num_ends) {
+                    Some(slot) => *slot = end,
+                    None => out.more.push(end),
+                }
+                out.num_ends += 1;
             }
         }
         out
     }
 
+    /// A single group's ids.
+    fn single(ids: Vec<BlockId>) -> Self {
+        Self {
+            ids,
+            ..Self::default()
+        }
+    }
+
     /// Each group's ids.
     fn groups(&self) -> Vec<&[BlockId]> {
-        if self.ends.is_empty() {
+        if self.num_ends == 0 {
             return vec![self.ids.as_slice()];
         }
+        let inline = self.num_ends.min(self.ends.len());
         let mut start = 0;
-        self.ends
+        self.ends[..inline]
             .iter()
+            .chain(&self.more)
             .map(|&end| {
                 let g = &self.ids[start..end];
                 start = end;
@@ -463,10 +481,7 @@ impl Inner {
         }
         if let (1, Some(r)) = (ranges.len(), ranges.get(0)) {
             let ids = core.groups[0].tables.blocks_hinted(id, hint)[r].to_vec();
-            return Ok(Some(Flat {
-                ids,
-                ends: Vec::new(),
-            }));
+            return Ok(Some(Flat::single(ids)));
         }
         let groups = ranges.iter().enumerate().map(|(i, r)| {
             let blocks = if i == 0 {
