@@ -63,34 +63,7 @@ fn unitary(p: &mut BlockPool, max_model_len: usize, watermark: usize, eagle: boo
 }
 
 fn hybrid(p: &mut BlockPool) -> Coordinator {
-    Coordinator::new(
-        p,
-        CoordinatorConfig {
-            mode: Mode::Hybrid,
-            groups: vec![
-                group(Kind::Full, 16, 0, 16, true),
-                group(Kind::SlidingWindow { window: 32 }, 16, 1, 16, true),
-            ],
-            eagle_groups: vec![false, false],
-            attention_groups: vec![
-                AttentionGroup {
-                    group_ids: vec![0],
-                    use_eagle: false,
-                    is_full: true,
-                },
-                AttentionGroup {
-                    group_ids: vec![1],
-                    use_eagle: false,
-                    is_full: false,
-                },
-            ],
-            max_model_len: 1024,
-            watermark_blocks: 0,
-            scheduler_block_size: 16,
-            retention_interval: None,
-        },
-    )
-    .unwrap()
+    full_and(Kind::SlidingWindow { window: 32 }, p, 1024)
 }
 
 fn alloc(
@@ -368,34 +341,7 @@ fn mamba_align_counts_may_be_negative() {
         mode: MambaMode::Align,
         num_speculative_blocks: 1,
     };
-    let mut m = Coordinator::new(
-        &mut p,
-        CoordinatorConfig {
-            mode: Mode::Hybrid,
-            groups: vec![
-                group(Kind::Full, 16, 0, 16, true),
-                group(mamba, 16, 1, 16, true),
-            ],
-            eagle_groups: vec![false, false],
-            attention_groups: vec![
-                AttentionGroup {
-                    group_ids: vec![0],
-                    use_eagle: false,
-                    is_full: true,
-                },
-                AttentionGroup {
-                    group_ids: vec![1],
-                    use_eagle: false,
-                    is_full: false,
-                },
-            ],
-            max_model_len: 1024,
-            watermark_blocks: 0,
-            scheduler_block_size: 16,
-            retention_interval: None,
-        },
-    )
-    .unwrap();
+    let mut m = full_and(mamba, &mut p, 1024);
     let hashes: Vec<BlockHash> = (0..3).map(h).collect();
     let got = alloc(&mut m, &mut p, req("a", 0, 40), new_tokens(40), &hashes).unwrap();
     assert_eq!(got, vec![vec![1, 2, 3], vec![0, 0, 4, 5]]);
