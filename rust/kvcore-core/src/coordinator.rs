@@ -173,9 +173,6 @@ impl FromIterator<Range<usize>> for NewBlocks {
     }
 }
 
-/// A request's hashes at the hash block size, read lazily (only when blocks fill).
-pub type Hashes<'a, E> = HashSource<'a, E>;
-
 /// The request-level manager; see the module docs.
 #[derive(Debug, Clone)]
 pub struct Coordinator {
