@@ -895,6 +895,7 @@ impl Coordinator {
                     .map(|(a, _)| *a),
             );
             cur.blocks = old;
+            cur.null_end = 0;
         }
         pool.touch(&freed)?;
         for (g, had) in self.groups.iter_mut().zip(undo.had) {
@@ -964,8 +965,9 @@ impl Coordinator {
     }
 
     /// `allocate_slots` for a request running in every group without hits or external
-    /// tokens, when every group keeps the base rules: the general path's decisions with one
-    /// table lookup per group. `Ok(None)`: not running; `Ok(Some(None))`: does not fit.
+    /// tokens: the general path's decisions with one table lookup per group, each group's
+    /// counts from [`SingleTypeManager::running_growth`]. `Ok(None)`: not running, or a group
+    /// needs the general rules (nothing changed); `Ok(Some(None))`: does not fit.
     #[allow(clippy::too_many_arguments)]
     fn allocate_running<E: From<PoolError>>(
         &mut self,
@@ -981,9 +983,11 @@ impl Coordinator {
     ) -> Result<Option<Option<NewBlocks>>, E> {
         let caching = pool.enable_caching() && !args.delay_cache_blocks;
         let to_cache = main.min(req.num_tokens);
-        let mut need = 0usize;
-        // One lookup per group: the slot (the first four groups through the caller's hints).
+        // One lookup per group: the slot (the first four groups through the caller's hints)
+        // and the table length it grows to. Skipping changes no table's length.
         let mut slots = [0u32; 8];
+        let mut wants = [0usize; 8];
+        let mut need = 0i64;
         if self.groups.len() > slots.len() {
             return Ok(None);
         }
@@ -999,7 +1003,12 @@ impl Coordinator {
             if e.num_cached.is_none() {
                 return Ok(None);
             }
+            let Some((n, want)) = g.running_growth(e.blocks.len(), need_slot, main) else {
+                return Ok(None);
+            };
+            need = need.saturating_add(n);
             slots[i] = slot;
+            wants[i] = want;
         }
         // The hash count matters only for a group with blocks to cache (rarely: when a block
         // fills), so the request's hash list is read only then.
@@ -1021,26 +1030,14 @@ impl Coordinator {
                 Some(req.num_prompt_tokens),
             )?;
         }
-        for (i, g) in self.groups.iter().enumerate() {
-            let have = g.tables.at_slot(slots[i]).blocks.len();
-            need += cdiv(need_slot, g.block_size()).saturating_sub(have);
-        }
         if (need > 0 || wm > 0 || args.reserved_blocks != 0)
-            && !fits(
-                need as i64,
-                wm,
-                pool.get_num_free_blocks(),
-                args.reserved_blocks,
-            )
+            && !fits(need, wm, pool.get_num_free_blocks(), args.reserved_blocks)
         {
             return Ok(Some(None));
         }
         let mut out = NewBlocks::default();
         for (i, g) in self.groups.iter_mut().enumerate() {
-            out.push(
-                g.tables
-                    .grow_slot(pool, slots[i], cdiv(need_slot, g.block_size()))?,
-            );
+            out.push(g.tables.grow_slot(pool, slots[i], wants[i])?);
         }
         if caching {
             let hashes = RefCell::new(hashes);
@@ -1124,7 +1121,7 @@ impl Coordinator {
         let need_slot = main.saturating_add(args.num_lookahead_tokens).min(mml);
         let caching = pool.enable_caching() && !args.delay_cache_blocks;
         let to_cache = main.min(req.num_tokens);
-        if hits.is_none() && ext == 0 && !args.full_sequence_must_fit && self.all_base {
+        if hits.is_none() && ext == 0 && !args.full_sequence_must_fit {
             let reborrowed = HashSource {
                 len: &mut *hashes.len,
                 get: &mut *hashes.get,

@@ -516,3 +516,72 @@ fn huge_lookup_limits_stop_at_the_hashes() {
         .unwrap();
     assert_eq!((hit, lengths), (vec![vec![], vec![]], vec![0, 0]));
 }
+
+/// A running request's decode steps give the same blocks, tables and free queue on the
+/// one-lookup running path as on the general path (taken here by `full_sequence_must_fit`,
+/// which only adds a check that passes), for every group type the running path serves.
+#[test]
+fn running_path_matches_the_general_path() {
+    let kinds = [
+        Kind::SlidingWindow { window: 32 },
+        Kind::ChunkedLocal { chunk: 32 },
+        Kind::Mamba {
+            mode: MambaMode::None,
+            num_speculative_blocks: 0,
+        },
+        Kind::Mamba {
+            mode: MambaMode::All,
+            num_speculative_blocks: 1,
+        },
+        Kind::Mamba {
+            mode: MambaMode::Align,
+            num_speculative_blocks: 0,
+        },
+        Kind::Mamba {
+            mode: MambaMode::Align,
+            num_speculative_blocks: 2,
+        },
+    ];
+    let hashes: Vec<BlockHash> = (1..=40).map(h).collect();
+    for kind in kinds {
+        let mut sides: Vec<(BlockPool, Coordinator)> = (0..2)
+            .map(|_| {
+                let mut p = BlockPool::new(200, true, 16, false).unwrap();
+                let m = full_and(kind, &mut p, 1024);
+                (p, m)
+            })
+            .collect();
+        for (general, (p, m)) in sides.iter_mut().enumerate() {
+            let args = AllocateArgs {
+                full_sequence_must_fit: general == 1,
+                ..new_tokens(40)
+            };
+            assert!(alloc(m, p, req("a", 0, 40), args, &hashes).is_some());
+            m.new_step_starts();
+        }
+        for step in 0..80 {
+            let computed = 40 + step;
+            let lookahead = if step % 7 == 3 { 2 } else { 0 };
+            let got: Vec<_> = sides
+                .iter_mut()
+                .enumerate()
+                .map(|(general, (p, m))| {
+                    let mut r = req("a", computed, computed + 1);
+                    r.waiting_or_preempted = false;
+                    r.num_prompt_tokens = 40;
+                    let args = AllocateArgs {
+                        full_sequence_must_fit: general == 1,
+                        num_lookahead_tokens: lookahead,
+                        ..new_tokens(1)
+                    };
+                    let new = alloc(m, p, r, args, &hashes);
+                    m.new_step_starts();
+                    let tables: Vec<Vec<BlockId>> =
+                        (0..2).map(|g| m.groups[g].blocks("a").to_vec()).collect();
+                    (new, tables, p.all_free_block_ids())
+                })
+                .collect();
+            assert_eq!(got[0], got[1], "{kind:?} at step {step}");
+        }
+    }
+}

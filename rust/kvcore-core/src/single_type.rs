@@ -584,6 +584,47 @@ impl SingleTypeManager {
         Ok(have..have.max(want))
     }
 
+    /// STM-2 and STM-3 (with MAMBA-4/5) for a running request that holds `have` blocks and
+    /// takes no hits: the count [`Self::get_num_blocks_to_allocate`] gives for `num_tokens`
+    /// slots and the table length [`Self::allocate_new_blocks`] grows to. `None` where the
+    /// general rules are needed: cross-attention, and a Mamba align-mode step that places a
+    /// state block (its moves and refusals are [`Self::allocate_align`]'s).
+    #[inline]
+    pub(crate) fn running_growth(
+        &self,
+        have: usize,
+        num_tokens: usize,
+        num_tokens_main_model: usize,
+    ) -> Option<(i64, usize)> {
+        let bs = self.block_size;
+        match self.kind {
+            Kind::CrossAttention => None,
+            Kind::Mamba {
+                mode: MambaMode::Align,
+                num_speculative_blocks: ns,
+            } => {
+                let required = cdiv(num_tokens_main_model, bs).saturating_add(ns);
+                // Negative when the request holds more: the reference's count is too.
+                (required <= have).then(|| (exact(required) - exact(have), have))
+            }
+            Kind::Mamba {
+                num_speculative_blocks: ns,
+                ..
+            } => {
+                let counted = cdiv(
+                    num_tokens.saturating_add(self.spec_block_size.saturating_mul(ns)),
+                    bs,
+                );
+                let want = cdiv(num_tokens.saturating_add(bs.saturating_mul(ns)), bs);
+                Some((exact(counted.saturating_sub(have)), want))
+            }
+            _ => {
+                let want = cdiv(num_tokens, bs);
+                Some((exact(want.saturating_sub(have)), want))
+            }
+        }
+    }
+
     /// MAMBA-5 in align mode: the state block moves to the step's boundary, the blocks
     /// behind it become null, and at most one block (the first time `1 + ns`) is new.
     fn allocate_align(
@@ -823,11 +864,12 @@ impl SingleTypeManager {
         first: usize,
         last: usize,
     ) -> Result<(), PoolError> {
-        if first >= last {
-            return Ok(());
-        }
         let e = self.tables.at_slot_mut(slot);
         let last = last.min(e.blocks.len());
+        // Nothing to walk, or the walk would stop at its first block (known null).
+        if first >= last || e.null_end == last {
+            return Ok(());
+        }
         let mut freed = Vec::new();
         for i in (first..last).rev() {
             let b = e.blocks[i];
@@ -840,6 +882,7 @@ impl SingleTypeManager {
         for b in &mut e.blocks[last - freed.len()..last] {
             *b = NULL;
         }
+        e.null_end = last;
         Ok(())
     }
 
@@ -888,13 +931,7 @@ impl SingleTypeManager {
                 }
                 // The reference's default-dict read creates the entry.
                 let slot = slot.unwrap_or_else(|| self.tables.entry_slot(id));
-                let blocks = &self.tables.at_slot(slot).blocks;
-                let n = (skipped / bs).min(blocks.len());
-                // STM-8 walks back from n - 1 and stops at the first null: nothing to do then.
-                if n > 0 && blocks[n - 1] != NULL {
-                    self.remove_blocks_in_range(pool, slot, 0, n)?;
-                }
-                Ok(())
+                self.remove_blocks_in_range(pool, slot, 0, skipped / bs)
             }
             Kind::ChunkedLocal { .. } => self.remove_base(pool, id, slot, total_computed_tokens),
             Kind::Mamba {

@@ -22,6 +22,10 @@ pub struct RequestBlocks {
     pub blocks: Vec<BlockId>,
     /// Leading blocks already processed by caching; `Some` means the request is running.
     pub num_cached: Option<usize>,
+    /// 0, or a length `n` with `blocks[n - 1]` null, so that STM-8's walk back from there
+    /// stops at once without reading the table. Blocks only ever turn null in place; the
+    /// undo of a refused allocation, which puts blocks back, resets it.
+    pub(crate) null_end: usize,
 }
 
 /// Where a request's entry lives in one [`BlockTables`]: a caller that keeps it next

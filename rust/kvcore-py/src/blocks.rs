@@ -30,6 +30,15 @@ fn copy_group<'py>(group: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
     PyList::new(group.py(), group.try_iter()?.collect::<PyResult<Vec<_>>>()?)
 }
 
+/// Whether `group` is an empty list or tuple (false for anything else: other iterables are
+/// only read by copying them).
+fn known_empty(group: &Bound<'_, PyAny>) -> bool {
+    if let Ok(list) = group.downcast::<PyList>() {
+        return list.is_empty();
+    }
+    group.downcast::<PyTuple>().is_ok_and(|t| t.is_empty())
+}
+
 /// The result of `==` (`op` Eq) or `!=` (`op` Ne) given whether the operands are equal.
 pub(crate) fn eq_result(py: Python<'_>, equal: bool, op: CompareOp) -> PyObject {
     PyBool::new(py, equal == matches!(op, CompareOp::Eq))
@@ -65,6 +74,11 @@ impl PyKVCacheBlocks {
         allow_none: bool,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let groups = self.blocks.bind(py);
+        // The scheduler asks with `allow_none` once per running request and step, mostly of
+        // an empty result: answered without copying when every group is a list or a tuple.
+        if allow_none && groups.iter().all(|g| known_empty(&g)) {
+            return Ok(None);
+        }
         let mut lists = Vec::with_capacity(groups.len());
         let mut any = false;
         for g in groups.iter() {
