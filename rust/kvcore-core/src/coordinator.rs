@@ -986,6 +986,7 @@ impl Coordinator {
         // One lookup per group: the slot (the first four groups through the caller's hints)
         // and the table length it grows to. Skipping changes no table's length.
         let mut slots = [0u32; 8];
+        let mut haves = [0usize; 8];
         let mut wants = [0usize; 8];
         let mut need = 0i64;
         if self.groups.len() > slots.len() {
@@ -1008,6 +1009,7 @@ impl Coordinator {
             };
             need = need.saturating_add(n);
             slots[i] = slot;
+            haves[i] = e.blocks.len();
             wants[i] = want;
         }
         // The hash count matters only for a group with blocks to cache (rarely: when a block
@@ -1037,7 +1039,12 @@ impl Coordinator {
         }
         let mut out = NewBlocks::default();
         for (i, g) in self.groups.iter_mut().enumerate() {
-            out.push(g.tables.grow_slot(pool, slots[i], wants[i])?);
+            // Most decode steps grow nothing.
+            out.push(if wants[i] > haves[i] {
+                g.tables.grow_slot(pool, slots[i], wants[i])?
+            } else {
+                haves[i]..haves[i]
+            });
         }
         if caching {
             let hashes = RefCell::new(hashes);

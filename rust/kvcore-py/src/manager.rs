@@ -373,8 +373,8 @@ impl Inner {
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
         let hint = request_core.as_ref().and_then(|c| c.table_hint.get());
         let more_hints = match &request_core {
-            Some(c) => [0, 1, 2].map(|i| c.more_hints[i].get()),
-            None => [None; 3],
+            Some(c) if self.num_groups > 1 => [0, 1, 2].map(|i| c.more_hints[i].get()),
+            _ => [None; 3],
         };
         let view = RequestView {
             id,
@@ -466,7 +466,7 @@ impl Inner {
             }
             _ => hint,
         };
-        if let Some(c) = &request_core {
+        if let Some(c) = request_core.as_ref().filter(|_| self.num_groups > 1) {
             for ((g, cell), h) in core
                 .groups
                 .iter()
