@@ -173,6 +173,20 @@ impl FromIterator<Range<usize>> for NewBlocks {
     }
 }
 
+/// Groups the running-request path serves (more take the general rules).
+const MAX_RUNNING_GROUPS: usize = 8;
+
+/// One group's part of a running request's allocation ([`Coordinator::allocate_running`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct RunningStep {
+    slot: u32,
+    have: usize,
+    want: usize,
+    /// The token count the group caches up to, and whether a block fills by then.
+    cache_len: usize,
+    fills: bool,
+}
+
 /// The request-level manager; see the module docs.
 #[derive(Debug, Clone)]
 pub struct Coordinator {
@@ -983,16 +997,17 @@ impl Coordinator {
     ) -> Result<Option<Option<NewBlocks>>, E> {
         let caching = pool.enable_caching() && !args.delay_cache_blocks;
         let to_cache = main.min(req.num_tokens);
-        // One lookup per group: the slot (the first four groups through the caller's hints)
-        // and the table length it grows to. Skipping changes no table's length.
-        let mut slots = [0u32; 8];
-        let mut haves = [0usize; 8];
-        let mut wants = [0usize; 8];
-        let mut need = 0i64;
-        if self.groups.len() > slots.len() {
+        // One lookup per group: the slot (the first four groups through the caller's hints),
+        // the table length it grows to (skipping changes no table's length) and whether a
+        // block fills (the request's hash list is read only then: rarely).
+        let n = self.groups.len();
+        if n > MAX_RUNNING_GROUPS {
             return Ok(None);
         }
-        for (i, g) in self.groups.iter().enumerate() {
+        let mut steps = [RunningStep::default(); MAX_RUNNING_GROUPS];
+        let mut need = 0i64;
+        let mut fills = false;
+        for (i, (g, step)) in self.groups.iter().zip(&mut steps).enumerate() {
             let hint = match i {
                 0 => req.hint,
                 _ => req.more_hints.get(i - 1).copied().flatten(),
@@ -1001,25 +1016,34 @@ impl Coordinator {
                 return Ok(None);
             };
             let e = g.tables.at_slot(slot);
-            if e.num_cached.is_none() {
-                return Ok(None);
-            }
-            let Some((n, want)) = g.running_growth(e.blocks.len(), need_slot, main) else {
+            let Some(cached) = e.num_cached else {
                 return Ok(None);
             };
-            need = need.saturating_add(n);
-            slots[i] = slot;
-            haves[i] = e.blocks.len();
-            wants[i] = want;
+            let have = e.blocks.len();
+            let Some((count, want)) = g.running_growth(have, need_slot, main) else {
+                return Ok(None);
+            };
+            need = need.saturating_add(count);
+            *step = RunningStep {
+                slot,
+                have,
+                want,
+                cache_len: 0,
+                fills: false,
+            };
+            if caching {
+                // `cached < len / block_size`, without the division.
+                let len = self.cache_length(i, to_cache);
+                step.cache_len = len;
+                step.fills = cached
+                    .checked_add(1)
+                    .and_then(|c| c.checked_mul(g.block_size()))
+                    .is_some_and(|t| t <= len);
+                fills |= step.fills;
+            }
         }
-        // The hash count matters only for a group with blocks to cache (rarely: when a block
-        // fills), so the request's hash list is read only then.
-        if caching
-            && self.groups.iter().enumerate().any(|(i, g)| {
-                let cached = g.tables.at_slot(slots[i]).num_cached.unwrap_or(0);
-                cached < self.cache_length(i, to_cache) / g.block_size()
-            })
-        {
+        let steps = &steps[..n];
+        if fills {
             let num_hashes = (hashes.len)()?;
             self.check_cacheable(req.id, to_cache, false, None, num_hashes)?;
         }
@@ -1027,7 +1051,7 @@ impl Coordinator {
             self.groups[i].remove_skipped_at(
                 pool,
                 req.id,
-                Some(slots[i]),
+                Some(steps[i].slot),
                 total,
                 Some(req.num_prompt_tokens),
             )?;
@@ -1038,22 +1062,18 @@ impl Coordinator {
             return Ok(Some(None));
         }
         let mut out = NewBlocks::default();
-        for (i, g) in self.groups.iter_mut().enumerate() {
+        for (g, step) in self.groups.iter_mut().zip(steps) {
             // Most decode steps grow nothing.
-            out.push(if wants[i] > haves[i] {
-                g.tables.grow_slot(pool, slots[i], wants[i])?
+            out.push(if step.want > step.have {
+                g.tables.grow_slot(pool, step.slot, step.want)?
             } else {
-                haves[i]..haves[i]
+                step.have..step.have
             });
         }
-        if caching {
+        if fills {
             let hashes = RefCell::new(hashes);
-            for (i, &slot) in slots.iter().enumerate().take(self.groups.len()) {
-                let n = self.cache_length(i, to_cache);
-                let g = &self.groups[i];
-                if g.tables.at_slot(slot).num_cached.unwrap_or(0) < n / g.block_size() {
-                    self.cache_group(pool, i, req, n, &hashes, meta)?;
-                }
+            for (i, step) in steps.iter().enumerate().filter(|(_, s)| s.fills) {
+                self.cache_group(pool, i, req, step.cache_len, &hashes, meta)?;
             }
         }
         Ok(Some(Some(out)))

@@ -479,6 +479,11 @@ impl Inner {
                 }
             }
         }
+        // Most decode steps allocate nothing: no table is read again then.
+        if ranges.iter().all(|r| r.is_empty()) {
+            let n = core.groups.len();
+            return Ok(Some(Flat::of(n > 1, (0..n).map(|_| &[][..]))));
+        }
         if let (1, Some(r)) = (ranges.len(), ranges.get(0)) {
             let ids = core.groups[0].tables.blocks_hinted(id, hint)[r].to_vec();
             return Ok(Some(Flat::single(ids)));

@@ -292,6 +292,9 @@ pub(crate) struct CoreCast {
     /// A class already checked to be `RequestCore` or a subclass. Held strongly, so that its
     /// address can name no other class while it is remembered.
     verified: OnceLock<Py<PyType>>,
+    /// A class already checked not to be one (a duck-typed request class, e.g. vLLM's): a
+    /// class cannot gain `RequestCore`'s layout later, so the subclass walk is not repeated.
+    rejected: OnceLock<Py<PyType>>,
 }
 
 impl CoreCast {
@@ -311,7 +314,15 @@ impl CoreCast {
                 return Some(unsafe { obj.downcast_unchecked::<PyRequestCore>() });
             }
         }
-        let core = obj.downcast::<PyRequestCore>().ok()?;
+        if let Some(t) = self.rejected.get() {
+            if std::ptr::eq(obj.get_type_ptr(), t.as_ptr().cast()) {
+                return None;
+            }
+        }
+        let Ok(core) = obj.downcast::<PyRequestCore>() else {
+            let _ = self.rejected.set(obj.get_type().unbind());
+            return None;
+        };
         let _ = self.verified.set(obj.get_type().unbind());
         Some(core)
     }
