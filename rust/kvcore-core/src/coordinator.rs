@@ -1025,23 +1025,25 @@ impl Coordinator {
                 return Ok(None);
             };
             need = need.saturating_add(count);
+            // `cached < len / block_size`, without the division.
+            let cache_len = if caching {
+                self.cache_length(i, to_cache)
+            } else {
+                0
+            };
+            let step_fills = caching
+                && cached
+                    .checked_add(1)
+                    .and_then(|c| c.checked_mul(g.block_size()))
+                    .is_some_and(|t| t <= cache_len);
+            fills |= step_fills;
             *step = RunningStep {
                 slot,
                 have,
                 want,
-                cache_len: 0,
-                fills: false,
+                cache_len,
+                fills: step_fills,
             };
-            if caching {
-                // `cached < len / block_size`, without the division.
-                let len = self.cache_length(i, to_cache);
-                step.cache_len = len;
-                step.fills = cached
-                    .checked_add(1)
-                    .and_then(|c| c.checked_mul(g.block_size()))
-                    .is_some_and(|t| t <= len);
-                fills |= step.fills;
-            }
         }
         let steps = &steps[..n];
         if fills {

@@ -917,7 +917,7 @@ impl SingleTypeManager {
                     return Ok(());
                 };
                 // STM-8 reads the table without creating an entry.
-                let Some(slot) = slot.or_else(|| self.tables.find_slot(id)) else {
+                let Some(slot) = slot.or_else(|| self.tables.slot_of(id)) else {
                     return Ok(());
                 };
                 let first = cdiv(prompt, bs);

@@ -98,8 +98,9 @@ impl BlockTables {
         }
     }
 
+    /// The slot of the request's entry, if it has one.
     #[inline]
-    fn slot_of(&self, id: &str) -> Option<u32> {
+    pub(crate) fn slot_of(&self, id: &str) -> Option<u32> {
         self.index.get(id).copied()
     }
 
@@ -263,12 +264,6 @@ impl BlockTables {
             .entry
             .as_mut()
             .expect("a resolved slot holds an entry")
-    }
-
-    /// The slot of the request's entry, if it has one.
-    #[inline]
-    pub(crate) fn find_slot(&self, id: &str) -> Option<u32> {
-        self.slot_of(id)
     }
 
     /// The slot of the request's entry, created empty when missing.
