@@ -173,9 +173,9 @@ impl FromIterator<Range<usize>> for NewBlocks {
     }
 }
 
-/// Groups the running-request path serves (as many as a request keeps hints for; more take
-/// the general rules).
-const MAX_RUNNING_GROUPS: usize = 4;
+/// Groups the running-request path serves (the first four through the request's hints; more
+/// take the general rules).
+const MAX_RUNNING_GROUPS: usize = 8;
 
 /// One group's part of a running request's allocation ([`Coordinator::allocate_running`]).
 #[derive(Debug, Clone, Copy, Default)]
