@@ -24,10 +24,11 @@ fn cdiv(a: usize, b: usize) -> usize {
 }
 
 /// Whether `need` blocks and `watermark` more fit in `free` blocks less `reserved`, in exact
-/// arithmetic (the reference compares Python ints; Mamba's `need` may be negative).
+/// arithmetic (the reference compares Python ints; Mamba's `need` may be negative). A negative
+/// reservation reserves nothing (it frees no capacity either).
 #[inline]
 fn fits(need: i64, watermark: usize, free: usize, reserved: i64) -> bool {
-    i128::from(need) + watermark as i128 <= free as i128 - i128::from(reserved)
+    i128::from(need) + watermark as i128 <= free as i128 - i128::from(reserved.max(0))
 }
 
 /// Which coordinator the configuration uses (SPEC COORD-1).
@@ -1046,6 +1047,12 @@ impl Coordinator {
             };
         }
         let steps = &steps[..n];
+        // A count short of what the groups take (Mamba's) may pass the check after the frees
+        // and still not fit: the general rules undo the frees then.
+        let pops: usize = steps.iter().map(|s| s.want.saturating_sub(s.have)).sum();
+        if i64::try_from(pops).map_or(true, |p| p > need) && pops > pool.get_num_free_blocks() {
+            return Ok(None);
+        }
         if fills {
             let num_hashes = (hashes.len)()?;
             self.check_cacheable(req.id, to_cache, false, None, num_hashes)?;
@@ -1059,7 +1066,7 @@ impl Coordinator {
                 Some(req.num_prompt_tokens),
             )?;
         }
-        if (need > 0 || wm > 0 || args.reserved_blocks != 0)
+        if (need > 0 || wm > 0 || args.reserved_blocks > 0)
             && !fits(need, wm, pool.get_num_free_blocks(), args.reserved_blocks)
         {
             return Ok(Some(None));
@@ -1186,8 +1193,16 @@ impl Coordinator {
             ))
             .into());
         }
+        // What the groups' allocations take off the free queue (and their refusals), known
+        // before anything changes.
+        let mut pops = 0usize;
         for g in &self.groups {
-            g.check_main_model_tokens(main)?;
+            let n = if g.kind() == Kind::CrossAttention {
+                args.num_encoder_tokens
+            } else {
+                need_slot
+            };
+            pops = pops.saturating_add(g.new_blocks_needed(req.id, n, main)?);
         }
         if caching {
             let num_hashes = (hashes.len)()?;
@@ -1212,7 +1227,11 @@ impl Coordinator {
         // `need` (STM-2) may undercount what is then allocated: external-token blocks are not
         // capped by max_model_len, and a window group pads its skipped blocks only from hits.
         // The reference then fails after ALLOC-6's frees; kvcore checks first and undoes them.
-        let undo = (ext > 0 || (self.has_skippers() && !running)).then(|| self.snapshot(req.id));
+        // Nor can a running request's count (Mamba's may be short of what it allocates): with
+        // fewer blocks free than the groups take, the frees are undone too.
+        let undo = (ext > 0
+            || (self.has_skippers() && (!running || pops > pool.get_num_free_blocks())))
+        .then(|| self.snapshot(req.id));
         self.remove_skipped_blocks(pool, req.id, total, Some(req.num_prompt_tokens))?;
         let need = self.get_num_blocks_to_allocate(
             pool,
@@ -1224,18 +1243,22 @@ impl Coordinator {
             main,
             false,
         )?;
-        if !fits(
-            need,
-            wm,
-            pool.get_num_free_blocks(),
-            args.reserved_blocks.max(0),
-        ) {
+        if !fits(need, wm, pool.get_num_free_blocks(), args.reserved_blocks) {
             return Ok(None);
         }
         if let Some(undo) = undo {
-            if let Err(e) =
+            let free = pool.get_num_free_blocks();
+            let fits = if computed {
                 self.check_allocation_fits(pool, req.id, hits, uncapped, ext, need_slot, computed)
-            {
+            } else if pops > free {
+                Err(PoolError::NotEnoughFreeBlocks {
+                    requested: pops,
+                    free,
+                })
+            } else {
+                Ok(())
+            };
+            if let Err(e) = fits {
                 self.restore(pool, req.id, undo)?;
                 return Err(e.into());
             }

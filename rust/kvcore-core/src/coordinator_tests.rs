@@ -585,3 +585,102 @@ fn running_path_matches_the_general_path() {
         }
     }
 }
+
+/// Fuzz find (`crash-running-negative-reserve`): the running-request path took a negative
+/// `reserved_blocks` as capacity, so a step that did not fit freed a window group's blocks and
+/// then failed; both paths now share the one capacity rule and refuse it.
+#[test]
+fn a_negative_reservation_reserves_nothing_for_running_requests() {
+    let mut p = BlockPool::new(12, true, 16, false).unwrap();
+    let mut m = hybrid(&mut p);
+    let hashes: Vec<BlockHash> = (0..8).map(h).collect();
+    alloc(&mut m, &mut p, req("a", 0, 64), new_tokens(64), &hashes).unwrap();
+    let mut r = req("a", 64, 65);
+    r.waiting_or_preempted = false;
+    let a = AllocateArgs {
+        num_new_tokens: 1,
+        num_lookahead_tokens: 160,
+        reserved_blocks: -100,
+        has_scheduled_reqs: true,
+        ..Default::default()
+    };
+    let tables: Vec<Vec<BlockId>> = m.groups.iter().map(|g| g.blocks("a").to_vec()).collect();
+    assert_eq!(try_alloc(&mut m, &mut p, r, a), Ok(None));
+    // Only the window group's skipped blocks (ALLOC-6) may have become null.
+    assert_eq!(m.groups[0].blocks("a"), &tables[0][..]);
+    assert_eq!(m.groups[1].blocks("a").len(), tables[1].len());
+    m.check_invariants(&p).unwrap();
+}
+
+/// Full attention, a 32-token window and `kind`, one attention group each.
+fn full_window_and(kind: Kind, p: &mut BlockPool) -> Coordinator {
+    let kinds = [Kind::Full, Kind::SlidingWindow { window: 32 }, kind];
+    Coordinator::new(
+        p,
+        CoordinatorConfig {
+            mode: Mode::Hybrid,
+            groups: (0..3)
+                .map(|i| group(kinds[i], 16, i as u32, 16, true))
+                .collect(),
+            eagle_groups: vec![false; 3],
+            attention_groups: (0..3)
+                .map(|i| AttentionGroup {
+                    group_ids: vec![i],
+                    use_eagle: false,
+                    is_full: i == 0,
+                })
+                .collect(),
+            max_model_len: 1024,
+            watermark_blocks: 0,
+            scheduler_block_size: 16,
+            retention_interval: None,
+        },
+    )
+    .unwrap()
+}
+
+/// Mamba align mode's count may be short of what the other groups take (it is negative when
+/// the request holds more state blocks than the step needs): the capacity check then passes
+/// and the allocation cannot be served. The reference fails part-way; kvcore refuses with
+/// `NotEnoughFreeBlocks` and puts back what ALLOC-6 freed, on the running path too.
+#[test]
+fn a_short_mamba_count_changes_nothing_when_the_blocks_are_not_there() {
+    let mamba = Kind::Mamba {
+        mode: MambaMode::Align,
+        num_speculative_blocks: 1,
+    };
+    let hashes: Vec<BlockHash> = (0..12).map(h).collect();
+    let mut refused = 0;
+    for pool_size in 8..30 {
+        for computed in (0..=112).step_by(16).flat_map(|c| [c, c + 1]) {
+            for look in (0..=160).step_by(16) {
+                let mut p = BlockPool::new(pool_size, true, 16, false).unwrap();
+                let mut m = full_window_and(mamba, &mut p);
+                if alloc(&mut m, &mut p, req("a", 0, 200), new_tokens(128), &hashes).is_none() {
+                    continue;
+                }
+                let tables: Vec<Vec<BlockId>> =
+                    m.groups.iter().map(|g| g.blocks("a").to_vec()).collect();
+                let free = p.all_free_block_ids();
+                let mut r = req("a", computed, 200);
+                r.waiting_or_preempted = false;
+                let a = AllocateArgs {
+                    num_new_tokens: 1,
+                    num_lookahead_tokens: look,
+                    delay_cache_blocks: true,
+                    ..new_tokens(1)
+                };
+                let res = try_alloc(&mut m, &mut p, r, a);
+                if let Err(e) = res {
+                    assert!(matches!(e, PoolError::NotEnoughFreeBlocks { .. }), "{e:?}");
+                    let now: Vec<Vec<BlockId>> =
+                        m.groups.iter().map(|g| g.blocks("a").to_vec()).collect();
+                    assert_eq!((now, p.all_free_block_ids()), (tables, free));
+                    refused += 1;
+                }
+                m.check_invariants(&p).unwrap();
+            }
+        }
+    }
+    assert!(refused > 0);
+}

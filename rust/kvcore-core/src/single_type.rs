@@ -134,6 +134,18 @@ pub struct GroupConfig {
 }
 
 /// Mamba's per-step and align-mode state (MAMBA-4..8).
+/// One align-mode allocation, decided ([`SingleTypeManager::align_step`]).
+#[derive(Debug, Clone, Copy)]
+struct AlignStep {
+    /// The table's length, and whether the request allocated here before.
+    prev: usize,
+    seen: bool,
+    /// The length padded with nulls, the state blocks moved behind, and the new blocks.
+    skipped: usize,
+    moves: usize,
+    new: usize,
+}
+
 #[derive(Debug, Clone, Default)]
 struct MambaState {
     /// Hashes of the blocks cached during the current step (MAMBA-6).
@@ -532,18 +544,41 @@ impl SingleTypeManager {
         Ok(())
     }
 
-    /// Refuses, before anything changes, a main-model token count whose align-mode table would
-    /// be longer than a sequence allows ([`Self::allocate_new_blocks`] would refuse it after
-    /// other groups allocated).
+    /// STM-3 (with MAMBA-5) without changing anything: how many blocks
+    /// [`Self::allocate_new_blocks`] takes off the free queue for these counts, and its
+    /// refusals (an align-mode table longer than a sequence allows, a step placing more blocks
+    /// than align mode allows), so that a caller can refuse before any group changes.
     ///
     /// # Errors
-    /// [`PoolError::Invalid`].
-    pub fn check_main_model_tokens(&self, num_tokens_main_model: usize) -> Result<(), PoolError> {
+    /// [`PoolError::Invalid`], [`PoolError::Invariant`], as `allocate_new_blocks` would.
+    pub fn new_blocks_needed(
+        &self,
+        id: &str,
+        num_tokens: usize,
+        num_tokens_main_model: usize,
+    ) -> Result<usize, PoolError> {
         match self.mamba_params() {
-            Some((true, ns)) => self
-                .check_table_len(cdiv(num_tokens_main_model, self.block_size).saturating_add(ns)),
-            _ => Ok(()),
+            Some((true, ns)) => Ok(self
+                .align_step(id, num_tokens_main_model, ns)?
+                .map_or(0, |s| s.new)),
+            _ => Ok(self
+                .growth_target(num_tokens)
+                .saturating_sub(self.blocks(id).len())),
         }
+    }
+
+    /// The table length STM-3 grows to for `num_tokens` slots (MAMBA-5: plus the speculative
+    /// blocks in full-state modes); align mode has its own rule ([`Self::align_step`]).
+    #[inline]
+    fn growth_target(&self, num_tokens: usize) -> usize {
+        let n = match self.kind {
+            Kind::Mamba {
+                num_speculative_blocks: ns,
+                ..
+            } => num_tokens.saturating_add(self.block_size.saturating_mul(ns)),
+            _ => num_tokens,
+        };
+        cdiv(n, self.block_size)
     }
 
     /// Grows the request's table to `want` blocks, recording the new ids; returns the index
@@ -570,16 +605,13 @@ impl SingleTypeManager {
         &mut self,
         pool: &mut BlockPool,
         id: &str,
-        mut num_tokens: usize,
+        num_tokens: usize,
         num_tokens_main_model: usize,
     ) -> Result<std::ops::Range<usize>, PoolError> {
-        if let Some((align, ns)) = self.mamba_params() {
-            if align {
-                return self.allocate_align(pool, id, num_tokens_main_model, ns);
-            }
-            num_tokens = num_tokens.saturating_add(self.block_size.saturating_mul(ns));
+        if let Some((true, ns)) = self.mamba_params() {
+            return self.allocate_align(pool, id, num_tokens_main_model, ns);
         }
-        let want = cdiv(num_tokens, self.block_size);
+        let want = self.growth_target(num_tokens);
         let have = self.grow_to(pool, id, want)?;
         Ok(have..have.max(want))
     }
@@ -625,19 +657,18 @@ impl SingleTypeManager {
         }
     }
 
-    /// MAMBA-5 in align mode: the state block moves to the step's boundary, the blocks
-    /// behind it become null, and at most one block (the first time `1 + ns`) is new.
-    fn allocate_align(
-        &mut self,
-        pool: &mut BlockPool,
+    /// MAMBA-5 in align mode, decided: `None` when the request holds the blocks already,
+    /// otherwise where the state block moves and how many blocks are new, or the refusals.
+    fn align_step(
+        &self,
         id: &str,
         num_tokens_main_model: usize,
         ns: usize,
-    ) -> Result<std::ops::Range<usize>, PoolError> {
+    ) -> Result<Option<AlignStep>, PoolError> {
         let required = cdiv(num_tokens_main_model, self.block_size).saturating_add(ns);
-        let prev = self.tables.entry(id).blocks.len();
+        let prev = self.blocks(id).len();
         if required <= prev {
-            return Ok(prev..prev);
+            return Ok(None);
         }
         self.check_table_len(required)?;
         let seen = self.mamba.allocated.contains(id);
@@ -650,13 +681,42 @@ impl SingleTypeManager {
         } else {
             0
         };
-        let n = required.saturating_sub(prev.max(skipped) + moves);
+        let new = required.saturating_sub(prev.max(skipped) + moves);
         // Refused before anything changes (the reference fails after moving blocks).
-        if n > if seen { 1 } else { ns.saturating_add(1) } {
+        if new > if seen { 1 } else { ns.saturating_add(1) } {
             return Err(PoolError::Invariant(format!(
-                "Mamba align mode would allocate {n} blocks at once"
+                "Mamba align mode would allocate {new} blocks at once"
             )));
         }
+        Ok(Some(AlignStep {
+            prev,
+            seen,
+            skipped,
+            moves,
+            new,
+        }))
+    }
+
+    /// MAMBA-5 in align mode: the state block moves to the step's boundary, the blocks
+    /// behind it become null, and at most one block (the first time `1 + ns`) is new.
+    fn allocate_align(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        num_tokens_main_model: usize,
+        ns: usize,
+    ) -> Result<std::ops::Range<usize>, PoolError> {
+        let Some(AlignStep {
+            prev,
+            seen,
+            skipped,
+            moves,
+            new: n,
+        }) = self.align_step(id, num_tokens_main_model, ns)?
+        else {
+            let len = self.tables.entry(id).blocks.len();
+            return Ok(len..len);
+        };
         if n > pool.get_num_free_blocks() {
             return Err(PoolError::NotEnoughFreeBlocks {
                 requested: n,
