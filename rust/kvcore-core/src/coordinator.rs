@@ -129,6 +129,7 @@ pub struct NewBlocks {
 }
 
 impl NewBlocks {
+    #[inline]
     fn push(&mut self, r: Range<usize>) {
         if self.len < self.inline.len() {
             self.inline[self.len] = (r.start, r.end);
@@ -174,9 +175,9 @@ impl FromIterator<Range<usize>> for NewBlocks {
     }
 }
 
-/// Groups the running-request path serves (the first four through the request's hints; more
-/// take the general rules).
-const MAX_RUNNING_GROUPS: usize = 8;
+/// Groups the running-request path serves (as many as a request keeps hints for and a
+/// [`NewBlocks`] holds inline; more take the general rules).
+const MAX_RUNNING_GROUPS: usize = 4;
 
 /// One group's part of a running request's allocation ([`Coordinator::allocate_running`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -204,7 +205,6 @@ pub struct Coordinator {
     retention_interval: Option<usize>,
     context_parallel: usize,
     skippers: Vec<usize>,
-    all_base: bool,
     /// Set by each hybrid lookup: the longest hit seen minus the hit kept (COORD-11).
     pub num_uncached_common_prefix_tokens: usize,
 }
@@ -318,7 +318,6 @@ impl Coordinator {
         let skippers = (0..groups.len())
             .filter(|&i| groups[i].kind().skips())
             .collect();
-        let all_base = groups.iter().all(|g| g.kind().base_allocation());
         Ok(Self {
             groups,
             mode: cfg.mode,
@@ -331,7 +330,6 @@ impl Coordinator {
             retention_interval: cfg.retention_interval,
             context_parallel: cp,
             skippers,
-            all_base,
             num_uncached_common_prefix_tokens: 0,
         })
     }
@@ -922,12 +920,12 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Refuses with [`PoolError::NotEnoughFreeBlocks`], changing nothing, when touching the
-    /// hits (STM-4), the external-token blocks (STM-5) and the new blocks (STM-3) need more
-    /// blocks than are free although the capacity check passed. Groups that are not of the
-    /// base rules are not simulated.
+    /// What an allocation takes off the free queue, known before anything changes: the hits it
+    /// touches there (STM-4) and the blocks the external tokens (STM-5) and the new slots
+    /// (STM-3, with MAMBA-5) take, with the groups' refusals of the counts
+    /// ([`SingleTypeManager::new_blocks_needed`]).
     #[allow(clippy::too_many_arguments)]
-    fn check_allocation_fits(
+    fn blocks_taken(
         &self,
         pool: &BlockPool,
         id: &str,
@@ -935,18 +933,18 @@ impl Coordinator {
         total: usize,
         ext: usize,
         need_slot: usize,
+        main: usize,
+        num_encoder_tokens: usize,
         computed: bool,
-    ) -> Result<(), PoolError> {
-        if !self.all_base {
-            return Ok(());
-        }
+    ) -> Result<usize, PoolError> {
         let running = self.is_running(id);
         let mut touched: Vec<BlockId> = Vec::new();
         let mut pops = 0usize;
         for (i, g) in self.groups.iter().enumerate() {
             let bs = g.block_size();
             let mut length = g.blocks(id).len();
-            if computed && !running {
+            let cross = g.kind() == Kind::CrossAttention;
+            if computed && !running && !cross {
                 let skipped_tokens = g.get_num_skipped_tokens(total);
                 let skipped = skipped_tokens / bs;
                 let h = hits.and_then(|h| h.get(i)).map_or(&[][..], Vec::as_slice);
@@ -962,22 +960,16 @@ impl Coordinator {
                 };
                 if e > 0 {
                     let n = cdiv(total, bs).saturating_sub(length);
-                    pops += n;
+                    pops = pops.saturating_add(n);
                     length += n;
                 }
             }
-            pops += cdiv(need_slot, bs).saturating_sub(length);
+            let n = if cross { num_encoder_tokens } else { need_slot };
+            pops = pops.saturating_add(g.new_blocks_needed(id, length, n, main)?);
         }
         touched.sort_unstable();
         touched.dedup();
-        let free = pool.get_num_free_blocks().saturating_sub(touched.len());
-        if pops > free {
-            return Err(PoolError::NotEnoughFreeBlocks {
-                requested: pops,
-                free,
-            });
-        }
-        Ok(())
+        Ok(pops.saturating_add(touched.len()))
     }
 
     /// `allocate_slots` for a request running in every group without hits or external
@@ -1193,17 +1185,19 @@ impl Coordinator {
             ))
             .into());
         }
-        // What the groups' allocations take off the free queue (and their refusals), known
+        // What the allocation takes off the free queue (and the groups' refusals), known
         // before anything changes.
-        let mut pops = 0usize;
-        for g in &self.groups {
-            let n = if g.kind() == Kind::CrossAttention {
-                args.num_encoder_tokens
-            } else {
-                need_slot
-            };
-            pops = pops.saturating_add(g.new_blocks_needed(req.id, n, main)?);
-        }
+        let taken = self.blocks_taken(
+            pool,
+            req.id,
+            hits,
+            uncapped,
+            ext,
+            need_slot,
+            main,
+            args.num_encoder_tokens,
+            computed,
+        )?;
         if caching {
             let num_hashes = (hashes.len)()?;
             self.check_cacheable(req.id, to_cache, false, hits, num_hashes)?;
@@ -1224,14 +1218,12 @@ impl Coordinator {
                 return Ok(None);
             }
         }
-        // `need` (STM-2) may undercount what is then allocated: external-token blocks are not
-        // capped by max_model_len, and a window group pads its skipped blocks only from hits.
-        // The reference then fails after ALLOC-6's frees; kvcore checks first and undoes them.
-        // Nor can a running request's count (Mamba's may be short of what it allocates): with
-        // fewer blocks free than the groups take, the frees are undone too.
-        let undo = (ext > 0
-            || (self.has_skippers() && (!running || pops > pool.get_num_free_blocks())))
-        .then(|| self.snapshot(req.id));
+        // `need` (STM-2) may undercount what is then taken: external-token blocks are not
+        // capped by max_model_len, a window group pads its skipped blocks only from hits, and
+        // Mamba's count may be short of (align mode: negative against) its allocation. The
+        // reference then fails after ALLOC-6's frees; kvcore refuses and undoes them.
+        let undo = (self.has_skippers() && (!running || taken > pool.get_num_free_blocks()))
+            .then(|| self.snapshot(req.id));
         self.remove_skipped_blocks(pool, req.id, total, Some(req.num_prompt_tokens))?;
         let need = self.get_num_blocks_to_allocate(
             pool,
@@ -1246,22 +1238,16 @@ impl Coordinator {
         if !fits(need, wm, pool.get_num_free_blocks(), args.reserved_blocks) {
             return Ok(None);
         }
-        if let Some(undo) = undo {
-            let free = pool.get_num_free_blocks();
-            let fits = if computed {
-                self.check_allocation_fits(pool, req.id, hits, uncapped, ext, need_slot, computed)
-            } else if pops > free {
-                Err(PoolError::NotEnoughFreeBlocks {
-                    requested: pops,
-                    free,
-                })
-            } else {
-                Ok(())
-            };
-            if let Err(e) = fits {
+        let free = pool.get_num_free_blocks();
+        if taken > free {
+            if let Some(undo) = undo {
                 self.restore(pool, req.id, undo)?;
-                return Err(e.into());
             }
+            return Err(PoolError::NotEnoughFreeBlocks {
+                requested: taken,
+                free,
+            }
+            .into());
         }
         if computed {
             self.allocate_new_computed_blocks(pool, req.id, hits, local, ext)?;

@@ -684,3 +684,38 @@ fn a_short_mamba_count_changes_nothing_when_the_blocks_are_not_there() {
     }
     assert!(refused > 0);
 }
+
+/// Fuzz find (`crash-mamba-external-tokens`): external tokens for a new request in a model
+/// with a Mamba group passed the capacity check (its count is short of its allocation) and
+/// failed after the attention groups had allocated; the blocks every group takes are now
+/// counted first, so the call refuses with `NotEnoughFreeBlocks` and nothing changes.
+#[test]
+fn external_tokens_with_a_mamba_group_refuse_before_allocating() {
+    let mamba = Kind::Mamba {
+        mode: MambaMode::Align,
+        num_speculative_blocks: 2,
+    };
+    let mut refused = 0;
+    for pool_size in 4..24 {
+        for ext in [16usize, 17, 32, 48, 64] {
+            let mut p = BlockPool::new(pool_size, true, 16, false).unwrap();
+            let mut m = full_window_and(mamba, &mut p);
+            let free = p.all_free_block_ids();
+            let a = AllocateArgs {
+                num_new_tokens: 16,
+                num_external_computed_tokens: ext,
+                delay_cache_blocks: true,
+                ..new_tokens(16)
+            };
+            let r = req("x", 0, ext + 16);
+            if let Err(e) = try_alloc(&mut m, &mut p, r, a) {
+                assert!(matches!(e, PoolError::NotEnoughFreeBlocks { .. }), "{e:?}");
+                assert_eq!(p.all_free_block_ids(), free);
+                assert!(m.groups.iter().all(|g| g.blocks("x").is_empty()));
+                refused += 1;
+            }
+            m.check_invariants(&p).unwrap();
+        }
+    }
+    assert!(refused > 0);
+}

@@ -97,12 +97,6 @@ impl Kind {
     pub fn skips(self) -> bool {
         !matches!(self, Self::Full | Self::Sink { .. } | Self::CrossAttention)
     }
-
-    /// Whether the type keeps the base rules for counting, allocating and caching (STM-2,
-    /// STM-3, STM-6): every type but Mamba and cross-attention.
-    pub fn base_allocation(self) -> bool {
-        !matches!(self, Self::Mamba { .. } | Self::CrossAttention)
-    }
 }
 
 /// How one group is built.
@@ -545,25 +539,25 @@ impl SingleTypeManager {
     }
 
     /// STM-3 (with MAMBA-5) without changing anything: how many blocks
-    /// [`Self::allocate_new_blocks`] takes off the free queue for these counts, and its
-    /// refusals (an align-mode table longer than a sequence allows, a step placing more blocks
-    /// than align mode allows), so that a caller can refuse before any group changes.
+    /// [`Self::allocate_new_blocks`] takes off the free queue for these counts once the
+    /// request's table holds `have` blocks, and its refusals (an align-mode table longer than a
+    /// sequence allows, a step placing more blocks than align mode allows), so that a caller
+    /// can refuse before any group changes.
     ///
     /// # Errors
     /// [`PoolError::Invalid`], [`PoolError::Invariant`], as `allocate_new_blocks` would.
     pub fn new_blocks_needed(
         &self,
         id: &str,
+        have: usize,
         num_tokens: usize,
         num_tokens_main_model: usize,
     ) -> Result<usize, PoolError> {
         match self.mamba_params() {
             Some((true, ns)) => Ok(self
-                .align_step(id, num_tokens_main_model, ns)?
+                .align_step(id, have, num_tokens_main_model, ns)?
                 .map_or(0, |s| s.new)),
-            _ => Ok(self
-                .growth_target(num_tokens)
-                .saturating_sub(self.blocks(id).len())),
+            _ => Ok(self.growth_target(num_tokens).saturating_sub(have)),
         }
     }
 
@@ -657,16 +651,17 @@ impl SingleTypeManager {
         }
     }
 
-    /// MAMBA-5 in align mode, decided: `None` when the request holds the blocks already,
+    /// MAMBA-5 in align mode for a table of `prev` blocks, decided: `None` when it holds the
+    /// blocks already,
     /// otherwise where the state block moves and how many blocks are new, or the refusals.
     fn align_step(
         &self,
         id: &str,
+        prev: usize,
         num_tokens_main_model: usize,
         ns: usize,
     ) -> Result<Option<AlignStep>, PoolError> {
         let required = cdiv(num_tokens_main_model, self.block_size).saturating_add(ns);
-        let prev = self.blocks(id).len();
         if required <= prev {
             return Ok(None);
         }
@@ -712,7 +707,7 @@ impl SingleTypeManager {
             skipped,
             moves,
             new: n,
-        }) = self.align_step(id, num_tokens_main_model, ns)?
+        }) = self.align_step(id, self.blocks(id).len(), num_tokens_main_model, ns)?
         else {
             let len = self.tables.entry(id).blocks.len();
             return Ok(len..len);

@@ -169,53 +169,62 @@ fn group_config(
 }
 
 /// Per-group block ids copied out of the core in one buffer (a call allocates at most the id
-/// buffer, and nothing when no block is new).
-#[derive(Default)]
+/// buffer and, with several groups, their ends; nothing when no block is new).
 struct Flat {
     ids: Vec<BlockId>,
-    /// Where each group ends in `ids`: the first eight inline, the rest in `more`; no entry
-    /// for a single group.
-    ends: [usize; 8],
-    num_ends: usize,
-    more: Vec<usize>,
+    num_groups: usize,
+    /// Where each group ends in `ids`; empty for a single group and when `ids` is.
+    ends: Vec<usize>,
 }
 
 impl Flat {
     /// The ids of `groups` ranges of the request's tables, in group order.
-    fn of<'a>(many: bool, groups: impl Iterator<Item = &'a [BlockId]>) -> Self {
-        let mut out = Self::default();
+    fn of<'a>(num_groups: usize, groups: impl Iterator<Item = &'a [BlockId]>) -> Self {
+        let mut ids = Vec::new();
+        let mut ends = Vec::with_capacity(num_groups);
         for g in groups {
-            out.ids.extend_from_slice(g);
-            if many {
-                let end = out.ids.len();
-                match out.ends.get_mut(out.num_ends) {
-                    Some(slot) => *slot = end,
-                    None => out.more.push(end),
-                }
-                out.num_ends += 1;
-            }
+            ids.extend_from_slice(g);
+            ends.push(ids.len());
         }
-        out
+        if ids.is_empty() || num_groups == 1 {
+            ends = Vec::new();
+        }
+        Self {
+            ids,
+            num_groups,
+            ends,
+        }
+    }
+
+    /// No new block in any of `num_groups` groups.
+    fn empty(num_groups: usize) -> Self {
+        Self {
+            ids: Vec::new(),
+            num_groups,
+            ends: Vec::new(),
+        }
     }
 
     /// A single group's ids.
     fn single(ids: Vec<BlockId>) -> Self {
         Self {
             ids,
-            ..Self::default()
+            num_groups: 1,
+            ends: Vec::new(),
         }
     }
 
     /// Each group's ids.
     fn groups(&self) -> Vec<&[BlockId]> {
-        if self.num_ends == 0 {
-            return vec![self.ids.as_slice()];
+        if self.ends.is_empty() {
+            return match self.num_groups {
+                1 => vec![self.ids.as_slice()],
+                n => vec![&[][..]; n],
+            };
         }
-        let inline = self.num_ends.min(self.ends.len());
         let mut start = 0;
-        self.ends[..inline]
+        self.ends
             .iter()
-            .chain(&self.more)
             .map(|&end| {
                 let g = &self.ids[start..end];
                 start = end;
@@ -481,8 +490,7 @@ impl Inner {
         }
         // Most decode steps allocate nothing: no table is read again then.
         if ranges.iter().all(|r| r.is_empty()) {
-            let n = core.groups.len();
-            return Ok(Some(Flat::of(n > 1, (0..n).map(|_| &[][..]))));
+            return Ok(Some(Flat::empty(core.groups.len())));
         }
         if let (1, Some(r)) = (ranges.len(), ranges.get(0)) {
             let ids = core.groups[0].tables.blocks_hinted(id, hint)[r].to_vec();
@@ -496,7 +504,7 @@ impl Inner {
             };
             &blocks[r]
         });
-        Ok(Some(Flat::of(core.groups.len() > 1, groups)))
+        Ok(Some(Flat::of(ranges.len(), groups)))
     }
 
     /// The request's hashes for a lookup: its native mirror, or its list read lazily.

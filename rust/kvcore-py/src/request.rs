@@ -308,12 +308,19 @@ impl CoreCast {
             if std::ptr::eq(obj.get_type_ptr(), t.as_ptr().cast()) {
                 #[allow(unsafe_code)]
                 // SAFETY: `obj`'s class is `verified`, which passed `downcast::<PyRequestCore>`
-                // below (it is `RequestCore` or a subclass) and is kept alive by this cache,
-                // so its address cannot have been reused by another class: `obj` has
+                // in `check` (it is `RequestCore` or a subclass) and is kept alive by this
+                // cache, so its address cannot have been reused by another class: `obj` has
                 // `PyRequestCore`'s layout, which is all `downcast_unchecked` requires.
                 return Some(unsafe { obj.downcast_unchecked::<PyRequestCore>() });
             }
         }
+        self.check(obj)
+    }
+
+    /// [`Self::cast`] for a class other than the verified one (a duck-typed class, or a class
+    /// seen the first time); kept out of line so that the verified test inlines small.
+    #[inline(never)]
+    fn check<'a, 'py>(&self, obj: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyRequestCore>> {
         if let Some(t) = self.rejected.get() {
             if std::ptr::eq(obj.get_type_ptr(), t.as_ptr().cast()) {
                 return None;
@@ -575,11 +582,17 @@ pub(crate) fn prefetch_ahead(
         prefetch_lines(list_item_addr(list, i + AHEAD), OBJECT_LINES);
     }
     if i + AHEAD / 2 < n {
-        if let Ok(item) = list.get_item(i + AHEAD / 2) {
-            if let Some(core) = cast.cast(&item) {
-                if let Ok(c) = core.try_borrow() {
-                    second(&c);
-                }
+        let ptr = list_item_addr(list, i + AHEAD / 2)
+            .cast_mut()
+            .cast::<pyo3::ffi::PyObject>();
+        #[allow(unsafe_code)]
+        // SAFETY: `i + AHEAD / 2 < len(list)`, so `ptr` is the list's own (borrowed) reference
+        // to a live object, which the list keeps alive: nothing below runs Python code or
+        // touches the list, and the reference is not kept past this block.
+        let item = unsafe { pyo3::Borrowed::from_ptr(list.py(), ptr) };
+        if let Some(core) = cast.cast(&item) {
+            if let Ok(c) = core.try_borrow() {
+                second(&c);
             }
         }
     }
