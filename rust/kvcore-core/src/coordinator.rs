@@ -205,6 +205,9 @@ pub struct Coordinator {
     retention_interval: Option<usize>,
     context_parallel: usize,
     skippers: Vec<usize>,
+    /// Whether STM-2's count is exactly what an allocation without external tokens takes
+    /// (every group of the base rules, none that skips).
+    exact_count: bool,
     /// Set by each hybrid lookup: the longest hit seen minus the hit kept (COORD-11).
     pub num_uncached_common_prefix_tokens: usize,
 }
@@ -315,9 +318,10 @@ impl Coordinator {
         let simple = cfg.mode == Mode::Hybrid
             && cfg.attention_groups.len() == 2
             && cfg.attention_groups[0].is_full;
-        let skippers = (0..groups.len())
+        let skippers: Vec<usize> = (0..groups.len())
             .filter(|&i| groups[i].kind().skips())
             .collect();
+        let exact_count = skippers.is_empty() && groups.iter().all(|g| g.kind().base_allocation());
         Ok(Self {
             groups,
             mode: cfg.mode,
@@ -329,6 +333,7 @@ impl Coordinator {
             hash_block_size: hbs,
             retention_interval: cfg.retention_interval,
             context_parallel: cp,
+            exact_count,
             skippers,
             num_uncached_common_prefix_tokens: 0,
         })
@@ -1186,18 +1191,22 @@ impl Coordinator {
             .into());
         }
         // What the allocation takes off the free queue (and the groups' refusals), known
-        // before anything changes.
-        let taken = self.blocks_taken(
-            pool,
-            req.id,
-            hits,
-            uncapped,
-            ext,
-            need_slot,
-            main,
-            args.num_encoder_tokens,
-            computed,
-        )?;
+        // before anything changes, where STM-2's count may be short of it.
+        let taken = if ext > 0 || !self.exact_count {
+            Some(self.blocks_taken(
+                pool,
+                req.id,
+                hits,
+                uncapped,
+                ext,
+                need_slot,
+                main,
+                args.num_encoder_tokens,
+                computed,
+            )?)
+        } else {
+            None
+        };
         if caching {
             let num_hashes = (hashes.len)()?;
             self.check_cacheable(req.id, to_cache, false, hits, num_hashes)?;
@@ -1222,8 +1231,9 @@ impl Coordinator {
         // capped by max_model_len, a window group pads its skipped blocks only from hits, and
         // Mamba's count may be short of (align mode: negative against) its allocation. The
         // reference then fails after ALLOC-6's frees; kvcore refuses and undoes them.
-        let undo = (self.has_skippers() && (!running || taken > pool.get_num_free_blocks()))
-            .then(|| self.snapshot(req.id));
+        let undo = (self.has_skippers()
+            && (!running || taken.is_some_and(|t| t > pool.get_num_free_blocks())))
+        .then(|| self.snapshot(req.id));
         self.remove_skipped_blocks(pool, req.id, total, Some(req.num_prompt_tokens))?;
         let need = self.get_num_blocks_to_allocate(
             pool,
@@ -1239,7 +1249,7 @@ impl Coordinator {
             return Ok(None);
         }
         let free = pool.get_num_free_blocks();
-        if taken > free {
+        if let Some(taken) = taken.filter(|&t| t > free) {
             if let Some(undo) = undo {
                 self.restore(pool, req.id, undo)?;
             }

@@ -97,6 +97,12 @@ impl Kind {
     pub fn skips(self) -> bool {
         !matches!(self, Self::Full | Self::Sink { .. } | Self::CrossAttention)
     }
+
+    /// Whether the type keeps the base rules for counting, allocating and caching (STM-2,
+    /// STM-3, STM-6): every type but Mamba and cross-attention.
+    pub fn base_allocation(self) -> bool {
+        !matches!(self, Self::Mamba { .. } | Self::CrossAttention)
+    }
 }
 
 /// How one group is built.
@@ -578,15 +584,8 @@ impl SingleTypeManager {
     /// Grows the request's table to `want` blocks, recording the new ids; returns the index
     /// of the first new block.
     fn grow_to(&mut self, pool: &mut BlockPool, id: &str, want: usize) -> Result<usize, PoolError> {
-        let e = self.tables.entry(id);
-        let have = e.blocks.len();
-        if want <= have {
-            return Ok(have);
-        }
-        pool.get_new_blocks_into(want - have, &mut e.blocks)?;
-        let new = e.blocks[have..].to_vec();
-        self.tables.record(&new);
-        Ok(have)
+        let slot = self.tables.entry_slot(id);
+        Ok(self.tables.grow_slot(pool, slot, want)?.start)
     }
 
     /// STM-3 (with MAMBA-5): gives the request at least `num_tokens` slots; returns the range

@@ -240,13 +240,6 @@ impl BlockTables {
         self.slots[slot as usize].entry.as_mut()
     }
 
-    /// Records `ids` as newly allocated when this group records them (SPEC MGR-29).
-    pub(crate) fn record(&mut self, ids: &[BlockId]) {
-        if self.record_new_ids {
-            self.new_block_ids.extend_from_slice(ids);
-        }
-    }
-
     /// The request's entry, created empty when missing (the reference's default-dict read).
     pub(crate) fn entry(&mut self, id: &str) -> &mut RequestBlocks {
         let slot = self.entry_slot(id);
