@@ -48,7 +48,7 @@ use kvcore_core::hash::{BlockHash, BlockKey};
 use kvcore_core::pool::retention::Retention;
 use kvcore_core::pool::{BlockId, BlockPool, HashSource};
 use kvcore_core::single_type::{GroupConfig, Kind, MambaMode};
-use kvcore_core::tables::SlotHint;
+use kvcore_core::tables::{HintCell, SlotHint};
 use kvcore_core::PoolError;
 use libfuzzer_sys::fuzz_target;
 
@@ -372,6 +372,14 @@ fn request_id(r: u8) -> &'static str {
     ["r0", "r1", "r2", "r3", "r4", "r5"][usize::from(r) % NUM_REQUESTS]
 }
 
+/// The harness's own copy of a request id.
+fn static_id(id: &str) -> &'static str {
+    (0..NUM_REQUESTS as u8)
+        .map(request_id)
+        .find(|&r| r == id)
+        .expect("a harness request id")
+}
+
 fn gcd(a: usize, b: usize) -> usize {
     if b == 0 {
         a
@@ -643,11 +651,11 @@ impl Harness {
     /// refusal and a grant may change.
     fn allocate_checked(
         &mut self,
-        req: RequestView<'static>,
+        req: RequestView<'_>,
         args: AllocateArgs<'_>,
         hashes: &[BlockHash],
     ) -> Result<Option<NewBlocks>, PoolError> {
-        let id = req.id;
+        let id = static_id(req.id);
         let before = self.state();
         let mut get = |i: usize| -> Result<BlockHash, PoolError> {
             assert!(
@@ -792,14 +800,14 @@ impl Harness {
         let new_computed = a
             .new_computed
             .map_or_else(|| hits.as_ref().map_or(0, |h| h.1), Count::get);
+        let cells = [HintCell::new(self.hint(a.hint, id))];
         let req = RequestView {
             id,
             num_computed_tokens: a.computed.get(),
             num_tokens,
             num_prompt_tokens: a.prompt.map_or(num_tokens, Count::get),
             waiting_or_preempted: a.waiting,
-            hint: self.hint(a.hint, id),
-            more_hints: [None; 3],
+            hints: &cells,
         };
         let args = AllocateArgs {
             num_new_tokens: a.new_tokens.get(),
@@ -858,7 +866,7 @@ impl Harness {
         };
         let sim = self.sims[r];
         let running = self.coord.is_running(id);
-        let hint = self.hint(s.hint, id);
+        let cells = [HintCell::new(self.hint(s.hint, id))];
         if !running {
             let tokens = if sim.tokens == 0 {
                 1 + usize::from(s.prompt_len)
@@ -887,8 +895,7 @@ impl Harness {
                 num_tokens: tokens,
                 num_prompt_tokens: prompt,
                 waiting_or_preempted: true,
-                hint,
-                more_hints: [None; 3],
+                hints: &cells,
             };
             let args = AllocateArgs {
                 num_new_tokens: num_new,
@@ -940,8 +947,7 @@ impl Harness {
                 num_tokens: tokens,
                 num_prompt_tokens: sim.prompt,
                 waiting_or_preempted: false,
-                hint,
-                more_hints: [None; 3],
+                hints: &cells,
             };
             let args = AllocateArgs {
                 num_new_tokens: num_new,
@@ -1321,8 +1327,7 @@ impl Harness {
                     num_tokens,
                     num_prompt_tokens: prompt.get(),
                     waiting_or_preempted: false,
-                    hint: None,
-                    more_hints: [None; 3],
+                    hints: &[],
                 };
                 let _ = self.coord.cache_blocks(
                     &mut self.pool,

@@ -16,7 +16,7 @@ use crate::hash::BlockHash;
 use crate::pool::retention::Retention;
 use crate::pool::{BlockId, BlockPool, HashSource};
 use crate::single_type::{GroupConfig, HashList, HashView, HitBlocks, Kind, SingleTypeManager};
-use crate::tables::SlotHint;
+use crate::tables::HintCell;
 
 #[inline]
 fn cdiv(a: usize, b: usize) -> usize {
@@ -87,10 +87,10 @@ pub struct RequestView<'a> {
     pub num_prompt_tokens: usize,
     /// Whether `request.status` is WAITING or PREEMPTED (ALLOC-3).
     pub waiting_or_preempted: bool,
-    /// Where the request's entry in group 0 was last seen, if the caller kept it.
-    pub hint: Option<SlotHint>,
-    /// The same for groups 1 to 3.
-    pub more_hints: [Option<SlotHint>; 3],
+    /// Where the request's entries were last seen, group by group from group 0, for as many
+    /// groups as the caller keeps hints (none at all is fine). A successful `allocate_slots`
+    /// refreshes the stale ones.
+    pub hints: &'a [HintCell],
 }
 
 /// The arguments of `allocate_slots` (SPEC §8.1).
@@ -1007,10 +1007,7 @@ impl Coordinator {
         let mut need = 0i64;
         let mut fills = false;
         for (i, (g, step)) in self.groups.iter().zip(&mut steps).enumerate() {
-            let hint = match i {
-                0 => req.hint,
-                _ => req.more_hints.get(i - 1).copied().flatten(),
-            };
+            let hint = req.hints.get(i).and_then(HintCell::get);
             let Some(slot) = g.tables.resolve(req.id, hint) else {
                 return Ok(None);
             };
@@ -1086,13 +1083,25 @@ impl Coordinator {
         Ok(Some(Some(out)))
     }
 
+    /// Refreshes the request's stale hints after an allocation that succeeded.
+    #[inline]
+    fn refresh_hints(&self, req: &RequestView<'_>) {
+        for (g, cell) in self.groups.iter().zip(req.hints) {
+            if !g.tables.hint_is_valid(cell.get()) {
+                cell.set(g.tables.hint(req.id));
+            }
+        }
+    }
+
     /// SPEC ALLOC-1..13: the new blocks per group, or `None` when they do not fit. `hashes`
-    /// (the request's hashes at the hash block size) and `meta` feed ALLOC-11's caching.
+    /// (the request's hashes at the hash block size) and `meta` feed ALLOC-11's caching. A
+    /// call that allocates refreshes the request's stale `hints`.
     ///
     /// # Errors
     /// Bad arguments before any change ([`PoolError::Invalid`], [`PoolError::Invariant`]);
     /// [`PoolError::NotEnoughFreeBlocks`] where the reference fails part-way (nothing
     /// changes); caching errors.
+    #[inline]
     pub fn allocate_slots<E: From<PoolError>>(
         &mut self,
         pool: &mut BlockPool,
@@ -1163,6 +1172,9 @@ impl Coordinator {
             if let Some(out) = self.allocate_running(
                 pool, &req, &args, total, main, need_slot, wm, reborrowed, meta,
             )? {
+                if out.is_some() {
+                    self.refresh_hints(&req);
+                }
                 return Ok(out);
             }
         }
@@ -1267,6 +1279,7 @@ impl Coordinator {
         if caching {
             self.cache_blocks(pool, &req, to_cache, hashes, meta)?;
         }
+        self.refresh_hints(&req);
         Ok(Some(new))
     }
 

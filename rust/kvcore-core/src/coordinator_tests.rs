@@ -14,8 +14,7 @@ fn req(id: &str, computed: usize, tokens: usize) -> RequestView<'_> {
         num_tokens: tokens,
         num_prompt_tokens: tokens,
         waiting_or_preempted: true,
-        hint: None,
-        more_hints: [None; 3],
+        hints: &[],
     }
 }
 

@@ -7,7 +7,7 @@
 //!
 //! Request ids are strings, as in the reference. Nothing here knows about Python.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use hashbrown::HashMap;
 
@@ -41,6 +41,46 @@ pub struct SlotHint {
     pub slot: u32,
     /// The slot's generation when the hint was taken.
     pub generation: u64,
+}
+
+/// A [`SlotHint`] kept next to a request and refreshed by the manager through a shared borrow
+/// (`RequestView::hints`). Its parts are separate relaxed atomics: a caller sharing one cell
+/// between threads serialises the accesses (the Python bindings hold the GIL for each), so a
+/// reader never sees the parts of two different hints.
+#[derive(Debug, Default)]
+pub struct HintCell {
+    uid: AtomicU64,
+    slot: AtomicU32,
+    generation: AtomicU64,
+}
+
+impl HintCell {
+    /// A cell holding `hint`.
+    pub fn new(hint: Option<SlotHint>) -> Self {
+        let cell = Self::default();
+        cell.set(hint);
+        cell
+    }
+
+    /// The stored hint (`None` when unset: uid 0 belongs to no tables).
+    #[inline]
+    pub fn get(&self) -> Option<SlotHint> {
+        let uid = self.uid.load(Ordering::Relaxed);
+        (uid != 0).then(|| SlotHint {
+            uid,
+            slot: self.slot.load(Ordering::Relaxed),
+            generation: self.generation.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Stores `hint` (or clears the cell).
+    #[inline]
+    pub fn set(&self, hint: Option<SlotHint>) {
+        let h = hint.unwrap_or_default();
+        self.slot.store(h.slot, Ordering::Relaxed);
+        self.generation.store(h.generation, Ordering::Relaxed);
+        self.uid.store(h.uid, Ordering::Relaxed);
+    }
 }
 
 #[derive(Debug, Clone, Default)]

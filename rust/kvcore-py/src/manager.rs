@@ -16,6 +16,7 @@ use kvcore_core::hash::BlockHash;
 use kvcore_core::pool::retention::Retention;
 use kvcore_core::pool::{BlockId, HashSource};
 use kvcore_core::single_type::{GroupConfig, HashList, Kind, MambaMode};
+use kvcore_core::tables::HintCell;
 use kvcore_core::PoolError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -380,10 +381,9 @@ impl Inner {
         };
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
-        let hint = request_core.as_ref().and_then(|c| c.table_hint.get());
-        let more_hints = match &request_core {
-            Some(c) if self.num_groups > 1 => [0, 1, 2].map(|i| c.more_hints[i].get()),
-            _ => [None; 3],
+        let hints: &[HintCell] = match &request_core {
+            Some(c) => &c.hints[..self.num_groups.min(c.hints.len())],
+            None => &[],
         };
         let view = RequestView {
             id,
@@ -391,8 +391,7 @@ impl Inner {
             num_tokens,
             num_prompt_tokens,
             waiting_or_preempted,
-            hint,
-            more_hints,
+            hints,
         };
         // A kvcore Request's native copy of its hashes, when it matches the list; checked only
         // when a block fills (the list's header is then read once).
@@ -445,8 +444,8 @@ impl Inner {
             let tables = &core.groups[0].tables;
             let more = core.groups.get(1..).unwrap_or_default();
             prefetch_ahead(list, i, &self.cast, |c| {
-                tables.prefetch_slot(c.table_hint.get());
-                for (g, h) in more.iter().zip(&c.more_hints) {
+                tables.prefetch_slot(c.hints[0].get());
+                for (g, h) in more.iter().zip(&c.hints[1..]) {
                     g.tables.prefetch_slot(h.get());
                 }
             });
@@ -466,28 +465,8 @@ impl Inner {
         let Some(ranges) = res? else {
             return Ok(None);
         };
-        let tables = &core.groups[0].tables;
-        let hint = match &request_core {
-            Some(c) if !tables.hint_is_valid(hint) => {
-                let fresh = tables.hint(id);
-                c.table_hint.set(fresh);
-                fresh
-            }
-            _ => hint,
-        };
-        if let Some(c) = request_core.as_ref().filter(|_| self.num_groups > 1) {
-            for ((g, cell), h) in core
-                .groups
-                .iter()
-                .skip(1)
-                .zip(&c.more_hints)
-                .zip(more_hints)
-            {
-                if !g.tables.hint_is_valid(h) {
-                    cell.set(g.tables.hint(id));
-                }
-            }
-        }
+        // The call refreshed the request's hints.
+        let hint = hints.first().and_then(HintCell::get);
         // Most decode steps allocate nothing: no table is read again then.
         if ranges.iter().all(|r| r.is_empty()) {
             return Ok(Some(Flat::empty(core.groups.len())));
@@ -1142,8 +1121,7 @@ impl PyManagerCore {
             num_tokens: 0,
             num_prompt_tokens,
             waiting_or_preempted: false,
-            hint: None,
-            more_hints: [None; 3],
+            hints: &[],
         };
         let mut pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
         Ok(core.cache_blocks::<Error>(

@@ -6,12 +6,11 @@
 //! counts straight from the struct instead of through attribute lookups, and block hashing
 //! reads token ids from a native buffer instead of Python ints.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use kvcore_core::hash::BlockHash;
 use kvcore_core::prefetch::{prefetch, prefetch_lines};
-use kvcore_core::tables::SlotHint;
+use kvcore_core::tables::HintCell;
 use pyo3::basic::CompareOp;
 use pyo3::exceptions::PyIndexError;
 use pyo3::intern;
@@ -55,10 +54,9 @@ pub struct PyRequestCore {
     /// see what the reference sees (pickle and CBOR write `True`, not `1`); a window holding
     /// one is hashed and reported by the Python paths. Empty in practice.
     exotic: Vec<(usize, PyObject)>,
-    /// Where the Rust manager last found this request's block table (skips the id lookup).
-    pub(crate) table_hint: HintCell,
-    /// Hints of the request's entries in groups 1 to 3 (hybrid models).
-    pub(crate) more_hints: [HintCell; 3],
+    /// Where the Rust manager last found this request's entries in groups 0 to 3 (skips the
+    /// id lookups); the manager refreshes them.
+    pub(crate) hints: [HintCell; 4],
     /// A native copy of `block_hashes`, kept as hashes are appended through this object; the
     /// Rust manager reads it instead of the list while their lengths agree.
     mirror: Vec<BlockHash>,
@@ -78,36 +76,6 @@ pub struct PyRequestCore {
     /// window is full), else None.
     #[pyo3(get, set, name = "_hash_block_size")]
     hash_block_size: Option<i64>,
-}
-
-/// A [`SlotHint`] that can be updated through a shared borrow. The three parts are separate
-/// atomics; they are only read and written with the GIL held (every access goes through a
-/// `Bound` of this object), so a reader never sees parts of two different hints.
-#[derive(Debug, Default)]
-pub(crate) struct HintCell {
-    uid: AtomicU64,
-    slot: AtomicU32,
-    generation: AtomicU64,
-}
-
-impl HintCell {
-    /// The stored hint (`None` when unset: uid 0 belongs to no tables).
-    pub(crate) fn get(&self) -> Option<SlotHint> {
-        let uid = self.uid.load(Ordering::Relaxed);
-        (uid != 0).then(|| SlotHint {
-            uid,
-            slot: self.slot.load(Ordering::Relaxed),
-            generation: self.generation.load(Ordering::Relaxed),
-        })
-    }
-
-    /// Stores `hint` (or clears it).
-    pub(crate) fn set(&self, hint: Option<SlotHint>) {
-        let h = hint.unwrap_or_default();
-        self.slot.store(h.slot, Ordering::Relaxed);
-        self.generation.store(h.generation, Ordering::Relaxed);
-        self.uid.store(h.uid, Ordering::Relaxed);
-    }
 }
 
 #[pymethods]
@@ -136,8 +104,7 @@ impl PyRequestCore {
             hashes_len_at: 0,
             block_hasher: py.None(),
             hash_block_size: None,
-            table_hint: HintCell::default(),
-            more_hints: Default::default(),
+            hints: Default::default(),
         }
     }
 
@@ -181,8 +148,7 @@ impl PyRequestCore {
     fn set_request_id(&mut self, value: Bound<'_, PyString>) -> PyResult<()> {
         self.id = id_key(&value)?.into_owned();
         self.request_id = value.unbind();
-        self.table_hint.set(None);
-        for h in &self.more_hints {
+        for h in &self.hints {
             h.set(None);
         }
         Ok(())
