@@ -1007,10 +1007,18 @@ impl Coordinator {
         let mut need = 0i64;
         let mut fills = false;
         for (i, (g, step)) in self.groups.iter().zip(&mut steps).enumerate() {
-            let hint = req.hints.get(i).and_then(HintCell::get);
+            let cell = req.hints.get(i);
+            let hint = cell.and_then(HintCell::get);
             let Some(slot) = g.tables.resolve(req.id, hint) else {
                 return Ok(None);
             };
+            // A stale hint is refreshed now (the entry outlives this call).
+            if let Some(cell) = cell {
+                let fresh = g.tables.hint_at(slot);
+                if hint != Some(fresh) {
+                    cell.set(Some(fresh));
+                }
+            }
             let e = g.tables.at_slot(slot);
             let Some(cached) = e.num_cached else {
                 return Ok(None);
@@ -1095,7 +1103,8 @@ impl Coordinator {
 
     /// SPEC ALLOC-1..13: the new blocks per group, or `None` when they do not fit. `hashes`
     /// (the request's hashes at the hash block size) and `meta` feed ALLOC-11's caching. A
-    /// call that allocates refreshes the request's stale `hints`.
+    /// call that allocates refreshes the request's stale `hints` (a running request's, as
+    /// its entries are found).
     ///
     /// # Errors
     /// Bad arguments before any change ([`PoolError::Invalid`], [`PoolError::Invariant`]);
@@ -1172,9 +1181,6 @@ impl Coordinator {
             if let Some(out) = self.allocate_running(
                 pool, &req, &args, total, main, need_slot, wm, reborrowed, meta,
             )? {
-                if out.is_some() {
-                    self.refresh_hints(&req);
-                }
                 return Ok(out);
             }
         }

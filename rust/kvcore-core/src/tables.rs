@@ -172,6 +172,16 @@ impl BlockTables {
         })
     }
 
+    /// The hint of the entry in `slot` (a slot [`Self::resolve`] returned).
+    #[inline]
+    pub(crate) fn hint_at(&self, slot: u32) -> SlotHint {
+        SlotHint {
+            uid: self.uid,
+            slot,
+            generation: self.slots[slot as usize].generation,
+        }
+    }
+
     /// Prefetches the slot `hint` names (the first stage of a batch's pipeline).
     pub fn prefetch_slot(&self, hint: Option<SlotHint>) {
         if let Some(h) = hint.filter(|h| h.uid == self.uid) {
