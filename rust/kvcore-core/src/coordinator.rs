@@ -1014,10 +1014,7 @@ impl Coordinator {
             };
             // A stale hint is refreshed now (the entry outlives this call).
             if let Some(cell) = cell {
-                let fresh = g.tables.hint_at(slot);
-                if hint != Some(fresh) {
-                    cell.set(Some(fresh));
-                }
+                g.tables.refresh(cell, slot);
             }
             let e = g.tables.at_slot(slot);
             let Some(cached) = e.num_cached else {
@@ -1095,8 +1092,8 @@ impl Coordinator {
     #[inline]
     fn refresh_hints(&self, req: &RequestView<'_>) {
         for (g, cell) in self.groups.iter().zip(req.hints) {
-            if !g.tables.hint_is_valid(cell.get()) {
-                cell.set(g.tables.hint(req.id));
+            if let Some(slot) = g.tables.slot_of(req.id) {
+                g.tables.refresh(cell, slot);
             }
         }
     }

@@ -172,13 +172,17 @@ impl BlockTables {
         })
     }
 
-    /// The hint of the entry in `slot` (a slot [`Self::resolve`] returned).
+    /// Stores in `cell` the hint of the entry in `slot` (a slot [`Self::resolve`] or
+    /// [`Self::slot_of`] returned) unless it holds that hint already.
     #[inline]
-    pub(crate) fn hint_at(&self, slot: u32) -> SlotHint {
-        SlotHint {
+    pub(crate) fn refresh(&self, cell: &HintCell, slot: u32) {
+        let fresh = SlotHint {
             uid: self.uid,
             slot,
             generation: self.slots[slot as usize].generation,
+        };
+        if cell.get() != Some(fresh) {
+            cell.set(Some(fresh));
         }
     }
 
