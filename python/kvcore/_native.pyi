@@ -278,6 +278,7 @@ class KVCacheManagerCore:
         clip: Sequence[bool],
         blocks_cls: type[KVCacheBlocks],
         empty: KVCacheBlocks,
+        plain_request: tuple[type, str] | None = None,
     ) -> None: ...
     def _computed_blocks(self, request: _ManagedRequest) -> tuple[KVCacheBlocks, int]: ...
     def allocate_slots(

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 from kvcore._native import BlockPool, KVCacheManagerCore
 from kvcore.blocks import KVCacheBlocks
@@ -134,6 +134,11 @@ class KVCacheManager(KVCacheManagerCore):
         kv_cache_event_metadata: Per group, the event kind and window (MGR-4).
         empty_kv_cache_blocks: The shared empty result (MGR-3).
     """
+
+    _plain_request_class: ClassVar[tuple[type, str] | None] = None
+    """A request class the core reads from the instance dict instead of by attribute lookup,
+    with the list attribute whose length is ``num_tokens``; ``kvcore.vllm`` names vLLM's
+    ``Request``. The core refuses a class with a descriptor or lookup hook in the way."""
 
     def __init__(
         self,
@@ -252,6 +257,7 @@ class KVCacheManager(KVCacheManagerCore):
             cfg.clip,
             KVCacheBlocks,
             self.empty_kv_cache_blocks,
+            self._plain_request_class,
         )
         self.coordinator.bind(self)
         # After the core's configuration checks, as the reference checks COORD-2 first.

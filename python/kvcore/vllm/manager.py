@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vllm.v1.request import Request as VllmRequest
+
 from kvcore._native import Retention
 from kvcore.errors import InvalidConfigError
 from kvcore.manager import KVCacheManager as _KVCacheManager
@@ -119,6 +121,10 @@ class KVCacheManager(_KVCacheManager):
         InvalidConfigError: A spec kvcore does not know, an inconsistent configuration, or a
             bad ``KVCORE_VLLM_RETENTION_FROM_PRIORITY``.
     """
+
+    _plain_request_class = (VllmRequest, "_all_token_ids")
+    """vLLM's ``Request`` keeps its fields as plain attributes and ``num_tokens`` is
+    ``len(self._all_token_ids)``: the core reads them from the instance dict."""
 
     def __init__(
         self,

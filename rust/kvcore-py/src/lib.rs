@@ -2,8 +2,9 @@
 //!
 //! The `#[pymethods]` bodies convert arguments, call the core and convert results, and
 //! `errors.rs` is the one place core errors become Python exceptions. What is not plain
-//! conversion: reading the fields of a Python request object (`request.rs`, and the duck-typed
-//! path of `manager.rs`: a request is read before the core's state is held, so that its Python
+//! conversion: reading the fields of a Python request object (`request.rs` for kvcore's own,
+//! `plain.rs` for any other, by attribute or from the instance dict of a registered plain class
+//! such as vLLM's: a request is read before the core's state is held, so that its Python
 //! attributes cannot re-enter a call), the choice between native and Python serialisation of
 //! hash inputs (`hashing.rs`: an input the native encoders cannot reproduce byte-identically
 //! goes to the Python hasher), the conversion of core events into Python event objects
@@ -34,6 +35,7 @@ mod events;
 mod hashing;
 mod manager;
 mod msgpack;
+mod plain;
 mod pool;
 mod request;
 mod sync;

@@ -20,14 +20,14 @@ use kvcore_core::tables::HintCell;
 use kvcore_core::PoolError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use crate::args::{count_of, id_key, request_id_of, Count, Flag};
 use crate::errors::{invalid, to_pyerr, Error};
+use crate::plain::{Fields, PlainClass};
 use crate::pool::{
-    extract_ids, get_opt, list_or_copy, request_retention, stored_meta, to_hash, PyBlockPool,
-    PyRetention,
+    extract_ids, list_or_copy, request_retention, stored_meta, to_hash, tokens_only_meta,
+    PyBlockPool, PyRetention,
 };
 use crate::request::{prefetch_ahead, CoreCast};
 use crate::sync::{lock_cell, GilCell, Guarded};
@@ -50,30 +50,6 @@ fn may_fill_a_block(
         .saturating_add(args.num_new_tokens)
         .min(num_tokens);
     total / block_size > num_computed / block_size
-}
-
-/// A plain copy of the request fields a `BlockStored` event reads (SPEC §17), taken before the
-/// tables are held so that a request whose attributes run Python code is not read meanwhile.
-fn event_snapshot<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    static NAMESPACE: GILOnceCell<PyObject> = GILOnceCell::new();
-    let py = request.py();
-    let cls = NAMESPACE.get_or_try_init(py, || -> PyResult<PyObject> {
-        Ok(py.import("types")?.getattr("SimpleNamespace")?.unbind())
-    })?;
-    let fields = PyDict::new(py);
-    for name in [
-        intern!(py, "all_token_ids"),
-        intern!(py, "lora_request"),
-        intern!(py, "cache_salt"),
-        intern!(py, "mm_features"),
-        intern!(py, "prompt_embeds"),
-        intern!(py, "_prompt_embeds_per_block_hashes"),
-    ] {
-        if let Some(v) = get_opt(py, request, name)? {
-            fields.set_item(name, v)?;
-        }
-    }
-    cls.bind(py).call((), Some(&fields))
 }
 
 /// A Python list (or tuple) of hashes read lazily: a hit search that stops at the first miss
@@ -259,13 +235,52 @@ struct Inner {
     num_groups: usize,
     /// The smallest group block size (for [`may_fill_a_block`]).
     min_block_size: usize,
+    /// Whether admissions keep a watermark of free blocks (`watermark_blocks > 0`).
+    watermark: bool,
     /// Whether `allocate_slots` reads `num_prompt_tokens` (R-SWA, the retention masks).
     reads_prompt: bool,
     /// Per group, whether MGR-26 clips its block list.
     clip: Vec<bool>,
+    /// The request class read from its instance dict ([`crate::plain`]), if one is registered.
+    plain: Option<PlainClass>,
+}
+
+/// Where a `BlockStored` event's request fields come from.
+enum MetaSource<'a, 'py> {
+    /// The request itself (a kvcore `Request` reads natively).
+    Request(&'a Bound<'py, PyAny>),
+    /// A copy of a duck-typed request's fields.
+    Snapshot(Bound<'py, PyAny>),
+    /// A plain request's token list: it has no other event field.
+    Tokens(&'a Bound<'py, PyList>),
+}
+
+impl MetaSource<'_, '_> {
+    fn meta(&self, req: &MetaRequest<'_>) -> PyResult<StoredMeta> {
+        match self {
+            MetaSource::Request(r) => stored_meta(r.py(), r, req),
+            MetaSource::Snapshot(r) => stored_meta(r.py(), r, req),
+            MetaSource::Tokens(t) => tokens_only_meta(t, req),
+        }
+    }
 }
 
 impl Inner {
+    /// A request's fields for attribute reads ([`Fields::of`]).
+    #[inline]
+    fn fields<'a, 'py>(&self, request: &'a Bound<'py, PyAny>) -> Fields<'a, 'py> {
+        Fields::of(self.plain.as_ref(), request)
+    }
+
+    /// The source of a duck-typed request's event fields, read now (before the tables are
+    /// held).
+    fn meta_source<'a, 'py>(fields: &'a Fields<'a, 'py>) -> PyResult<MetaSource<'a, 'py>> {
+        Ok(match fields.tokens_only()? {
+            Some(tokens) => MetaSource::Tokens(tokens),
+            None => MetaSource::Snapshot(fields.event_snapshot()?),
+        })
+    }
+
     fn lock(&self, py: Python<'_>) -> PyResult<crate::sync::Held<'_, Coordinator>> {
         lock_cell(py, &self.core, "manager")
     }
@@ -344,6 +359,10 @@ impl Inner {
     ) -> PyResult<Option<Flat>> {
         // A kvcore Request keeps these four fields in its native base: read them directly.
         let request_core = self.cast.borrow(request)?;
+        let fields = match request_core {
+            Some(_) => Fields::Attrs(request),
+            None => self.fields(request),
+        };
         let id_obj;
         let id_key_obj;
         let (id, num_tokens, num_computed, status) = if let Some(c) = &request_core {
@@ -354,17 +373,15 @@ impl Inner {
                 c.status_value,
             )
         } else {
-            id_obj = request_id(request)?;
-            let num_tokens = count_of(&request.getattr(intern!(py, "num_tokens"))?, "num_tokens")?;
+            id_obj = fields.request_id()?;
+            let num_tokens = fields.num_tokens()?;
             let num_computed = count_of(
-                &request.getattr(intern!(py, "num_computed_tokens"))?,
+                &fields.get(intern!(py, "num_computed_tokens"))?,
                 "num_computed_tokens",
             )?;
-            let status: i64 = if args.has_scheduled_reqs {
-                request
-                    .getattr(intern!(py, "status"))?
-                    .extract()
-                    .unwrap_or(-1)
+            // The status only decides whether the watermark applies (MGR-1): unread without one.
+            let status: i64 = if args.has_scheduled_reqs && self.watermark {
+                fields.get(intern!(py, "status"))?.extract().unwrap_or(-1)
             } else {
                 0
             };
@@ -373,7 +390,7 @@ impl Inner {
         };
         let num_prompt_tokens = if self.reads_prompt {
             count_of(
-                &request.getattr(intern!(py, "num_prompt_tokens"))?,
+                &fields.get(intern!(py, "num_prompt_tokens"))?,
                 "num_prompt_tokens",
             )?
         } else {
@@ -403,7 +420,7 @@ impl Inner {
             if let Some(h) = hashes_obj.get() {
                 return Ok(h);
             }
-            let h = list_or_copy(&request.getattr(intern!(py, "block_hashes"))?)?;
+            let h = list_or_copy(&fields.get(intern!(py, "block_hashes"))?)?;
             Ok(hashes_obj.get_or_init(|| h))
         };
         let mut hash_len = || -> Result<usize, Error> {
@@ -418,22 +435,20 @@ impl Inner {
                 None => Ok(to_hash(&fetch()?.get_item(i)?)?),
             }
         };
-        // With events on, a duck-typed request's event fields are copied now when this call
+        // With events on, a duck-typed request's event fields are read now when this call
         // may fill a block: the core asks for them while the tables are held.
-        let snapshot = if self.events
+        let source = if self.events
             && self.caching
             && !args.delay_cache_blocks
             && request_core.is_none()
             && may_fill_a_block(num_computed, num_tokens, self.min_block_size, &args)
         {
-            Some(event_snapshot(request)?)
+            Inner::meta_source(&fields)?
         } else {
-            None
+            MetaSource::Request(request)
         };
-        let meta_source = snapshot.as_ref().unwrap_or(request);
-        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
-            Ok(stored_meta(py, meta_source, req)?)
-        };
+        let mut meta =
+            |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> { Ok(source.meta(req)?) };
         // The hash list itself is read now; only its entries are read while the tables are
         // held (indexing a list runs no Python code).
         if request_core.is_none() && self.caching && !args.delay_cache_blocks {
@@ -517,11 +532,6 @@ fn count(v: i64, what: &str) -> PyResult<usize> {
     usize::try_from(v).map_err(|_| invalid(format!("{what} must be non-negative, got {v}")))
 }
 
-fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-    let id = request.getattr(intern!(request.py(), "request_id"))?;
-    Ok(request_id_of(&id)?.clone())
-}
-
 /// The request-level manager core; see the module docs.
 #[pyclass(
     module = "kvcore._native",
@@ -557,7 +567,7 @@ impl PyManagerCore {
     /// Builds the coordinator (once). `groups`: per group `(kind, param, spec_block_size,
     /// record_new_block_ids, admission_cap)`; `attention_groups`: hybrid only, `(group_ids,
     /// use_eagle, is_full)` with the full-attention ones first.
-    #[pyo3(signature = (pool, mode, groups, eagle_groups, attention_groups, max_model_len, watermark_blocks, scheduler_block_size, retention_interval, dcp_world_size, pcp_world_size, clip, blocks_cls, empty))]
+    #[pyo3(signature = (pool, mode, groups, eagle_groups, attention_groups, max_model_len, watermark_blocks, scheduler_block_size, retention_interval, dcp_world_size, pcp_world_size, clip, blocks_cls, empty, plain_request = None))]
     #[allow(clippy::too_many_arguments)]
     fn _init_core(
         &self,
@@ -576,6 +586,7 @@ impl PyManagerCore {
         clip: Vec<bool>,
         blocks_cls: PyObject,
         empty: PyObject,
+        plain_request: Option<(Bound<'_, PyType>, Bound<'_, PyString>)>,
     ) -> PyResult<()> {
         if self.inner.get().is_some() {
             return Err(to_pyerr(PoolError::Invariant(
@@ -644,6 +655,9 @@ impl PyManagerCore {
         };
         let core = Coordinator::new(held.core_mut(), cfg).map_err(to_pyerr)?;
         drop(held);
+        let plain = plain_request
+            .map(|(cls, tokens)| PlainClass::new(&cls, &tokens))
+            .transpose()?;
         let reads_prompt = core.has_skippers() || retention_interval.is_some();
         let num_groups = core.num_groups();
         let empty_blocks = empty.getattr(py, intern!(py, "blocks"))?;
@@ -659,8 +673,10 @@ impl PyManagerCore {
             deadlines,
             num_groups,
             min_block_size,
+            watermark: watermark_blocks > 0,
             reads_prompt,
             clip,
+            plain,
         };
         self.inner
             .set(inner)
@@ -674,10 +690,11 @@ impl PyManagerCore {
         request: &Bound<'_, PyAny>,
     ) -> PyResult<(PyObject, usize)> {
         let me = slf.get().me()?;
+        let fields = me.fields(request);
         // The request is read first: nothing is held while a duck-typed request runs code.
         if !me.caching
-            || request
-                .getattr(intern!(py, "skip_reading_prefix_cache"))?
+            || fields
+                .get(intern!(py, "skip_reading_prefix_cache"))?
                 .is_truthy()?
         {
             return Ok((me.empty.clone_ref(py), 0));
@@ -685,7 +702,7 @@ impl PyManagerCore {
         let request_core = me.cast.borrow(request)?;
         let num_tokens = match &request_core {
             Some(c) => count(c.num_tokens, "num_tokens")?,
-            None => count_of(&request.getattr(intern!(py, "num_tokens"))?, "num_tokens")?,
+            None => fields.num_tokens()?,
         };
         if num_tokens == 0 {
             // The reference's walk over `num_tokens - 1` tokens raises ValueError (islice).
@@ -694,7 +711,7 @@ impl PyManagerCore {
         let mirror = request_core.as_ref().and_then(|c| c.mirrored_hashes(py));
         let hashes = match mirror {
             Some(_) => py.None().into_bound(py),
-            None => request.getattr(intern!(py, "block_hashes"))?,
+            None => fields.get(intern!(py, "block_hashes"))?,
         };
         let (hit, tokens) = me.lookup(py, &hashes, mirror, num_tokens - 1)?;
         let groups: Vec<&[BlockId]> = hit.iter().map(Vec::as_slice).collect();
@@ -811,8 +828,9 @@ impl PyManagerCore {
     /// when it has them, place its cached blocks in the free queue.
     #[pyo3(text_signature = "($self, request)")]
     fn free(slf: &Bound<'_, Self>, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = request_id(request)?;
-        let retention = request_retention(request)?;
+        let fields = slf.get().me()?.fields(request);
+        let id = fields.request_id()?;
+        let retention = request_retention(&fields)?;
         slf.get().free_id(py, &id, retention)
     }
 
@@ -823,7 +841,7 @@ impl PyManagerCore {
         request: &Bound<'_, PyAny>,
         retention: &Bound<'_, PyRetention>,
     ) -> PyResult<()> {
-        let id = request_id(request)?;
+        let id = self.me()?.fields(request).request_id()?;
         self.free_id(py, &id, retention.get().retention())
     }
 
@@ -834,8 +852,9 @@ impl PyManagerCore {
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<BlockId>> {
-        let id = request_id(request)?;
-        Ok(slf.get().me()?.lock(py)?.pop(&id_key(&id)?))
+        let me = slf.get().me()?;
+        let id = me.fields(request).request_id()?;
+        Ok(me.lock(py)?.pop(&id_key(&id)?))
     }
 
     /// SPEC MGR-25.
@@ -1090,28 +1109,27 @@ impl PyManagerCore {
     ) -> PyResult<()> {
         let me = self.me()?;
         let n = count_of(num_computed_tokens, "num_computed_tokens")?;
-        let id_obj = request_id(request)?;
+        let fields = me.fields(request);
+        let id_obj = fields.request_id()?;
         let id = id_key(&id_obj)?;
         let num_prompt_tokens = if me.reads_prompt {
             count_of(
-                &request.getattr(intern!(py, "num_prompt_tokens"))?,
+                &fields.get(intern!(py, "num_prompt_tokens"))?,
                 "num_prompt_tokens",
             )?
         } else {
             0
         };
-        let hashes = list_or_copy(&request.getattr(intern!(py, "block_hashes"))?)?;
+        let hashes = list_or_copy(&fields.get(intern!(py, "block_hashes"))?)?;
         let len = hashes.len()?;
-        let snapshot = if me.events && me.cast.cast(request).is_none() {
-            Some(event_snapshot(request)?)
+        let source = if me.events && me.cast.cast(request).is_none() {
+            Inner::meta_source(&fields)?
         } else {
-            None
+            MetaSource::Request(request)
         };
-        let meta_source = snapshot.as_ref().unwrap_or(request);
         let mut get = |i: usize| -> Result<BlockHash, Error> { Ok(to_hash(&hashes.get_item(i)?)?) };
-        let mut meta = |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> {
-            Ok(stored_meta(py, meta_source, req)?)
-        };
+        let mut meta =
+            |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> { Ok(source.meta(req)?) };
         let mut core = me.lock(py)?;
         core.check_cacheable(&id, n, true, None, len)
             .map_err(to_pyerr)?;

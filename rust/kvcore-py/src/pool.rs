@@ -20,6 +20,7 @@ use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PySlice, PyTuple};
 use crate::args::{group_id_of, int_of, Flag, Int};
 use crate::errors::{error, invalid, to_pyerr, type_error, Error, Kind};
 use crate::events::{events_to_py, py_to_value, use_int_hashes};
+use crate::plain::Fields;
 use crate::request::PyRequestCore;
 use crate::sync::{lock, GilCell, Guarded};
 
@@ -177,9 +178,11 @@ pub fn stored_meta(
     } else {
         (None, None)
     };
-    let needs_extra = needs_extra_keys(py, request)?;
-    let mut extra = Vec::with_capacity(extra_ranges.len());
-    if needs_extra {
+    let mut meta = tokens_meta(token_ids, req);
+    meta.lora_id = lora_id;
+    meta.lora_name = lora_name;
+    if needs_extra_keys(py, request)? {
+        let mut extra = Vec::with_capacity(extra_ranges.len());
         let gen = EXTRA_KEYS.get(py).ok_or_else(|| {
             invalid("no extra-key function is registered (import kvcore.hashing first)")
         })?;
@@ -195,15 +198,31 @@ pub fn stored_meta(
                 Some(py_to_value(&keys)?)
             });
         }
-    } else {
-        extra.resize(extra_ranges.len(), None);
+        meta.extra_keys = (!extra.is_empty()).then_some(extra);
     }
-    Ok(StoredMeta {
+    Ok(meta)
+}
+
+/// The metadata of blocks of `token_ids` with no LoRA and no extra keys.
+pub(crate) fn tokens_meta(token_ids: Vec<i64>, req: &MetaRequest<'_>) -> StoredMeta {
+    let n = req.block_ranges.len();
+    StoredMeta {
         token_ids,
-        lora_id,
-        lora_name,
-        extra_keys: (!extra.is_empty()).then_some(extra),
-    })
+        lora_id: None,
+        lora_name: None,
+        extra_keys: (n > 0).then(|| vec![None; n]),
+    }
+}
+
+/// [`stored_meta`] for a request whose only event field is its token list
+/// ([`Fields::tokens_only`]): the range's tokens, sliced as the reference slices.
+pub(crate) fn tokens_only_meta(
+    tokens: &Bound<'_, PyList>,
+    req: &MetaRequest<'_>,
+) -> PyResult<StoredMeta> {
+    let (start, end) = req.token_range;
+    let token_ids: Vec<i64> = tokens.get_slice(start, end).extract()?;
+    Ok(tokens_meta(token_ids, req))
 }
 
 /// A positive count.
@@ -432,26 +451,17 @@ fn seconds_of(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<f64
 
 /// Reads a request's retention from its `retention_priority` and `retention_ttl_s`
 /// attributes (missing ones count as None).
-pub(crate) fn request_retention(request: &Bound<'_, PyAny>) -> PyResult<Retention> {
-    let py = request.py();
-    let p = optional_attr(request, intern!(py, "retention_priority"))?;
-    let t = optional_attr(request, intern!(py, "retention_ttl_s"))?;
+pub(crate) fn request_retention(request: &Fields<'_, '_>) -> PyResult<Retention> {
+    let py = request.request().py();
+    let given = |name| -> PyResult<Option<Bound<'_, PyAny>>> {
+        Ok(request.opt(name)?.filter(|v| !v.is_none()))
+    };
+    let p = given(intern!(py, "retention_priority"))?;
+    let t = given(intern!(py, "retention_ttl_s"))?;
     if p.is_none() && t.is_none() {
         return Ok(Retention::DEFAULT);
     }
     retention_of(p.as_ref(), t.as_ref())
-}
-
-fn optional_attr<'py>(
-    obj: &Bound<'py, PyAny>,
-    name: &Bound<'py, pyo3::types::PyString>,
-) -> PyResult<Option<Bound<'py, PyAny>>> {
-    match obj.getattr(name) {
-        Ok(v) if v.is_none() => Ok(None),
-        Ok(v) => Ok(Some(v)),
-        Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(obj.py()) => Ok(None),
-        Err(e) => Err(e),
-    }
 }
 
 /// Reads one hash list per group for `pin_prefix` / `unpin_prefix`.

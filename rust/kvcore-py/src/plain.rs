@@ -1,0 +1,251 @@
+//! Reading a Python request's fields: by attribute lookup (any duck-typed request), or, for a
+//! request of a class registered as *plain*, straight from its instance dict.
+//!
+//! A plain class (vLLM's `Request`, registered by `kvcore.vllm`) keeps every field the
+//! manager reads as an instance attribute that nothing on the class shadows, and its token
+//! count is the length of one list attribute (vLLM's `num_tokens` property is
+//! `len(self._all_token_ids)`). For such a request a field is one dict lookup instead of an
+//! attribute lookup through the class (and a Python property call for `num_tokens`), no
+//! Python code runs, and a `BlockStored` event of a request without LoRA, multimodal inputs,
+//! cache salt or prompt embeddings reads its tokens from that list. The registration checks
+//! the class, so a dict lookup finds exactly what `getattr` would; an instance that does not
+//! fit (no dict, the token attribute not a list) is read by attribute lookup like any other.
+
+use pyo3::exceptions::PyAttributeError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyDict, PyList, PyString, PyType};
+
+use crate::args::{count_of, request_id_of};
+use crate::errors::invalid;
+
+/// The attributes the manager reads from a request (besides `num_tokens`).
+fn field_names(py: Python<'_>) -> [&Bound<'_, PyString>; 13] {
+    [
+        intern!(py, "request_id"),
+        intern!(py, "num_computed_tokens"),
+        intern!(py, "status"),
+        intern!(py, "num_prompt_tokens"),
+        intern!(py, "block_hashes"),
+        intern!(py, "skip_reading_prefix_cache"),
+        intern!(py, "lora_request"),
+        intern!(py, "cache_salt"),
+        intern!(py, "mm_features"),
+        intern!(py, "prompt_embeds"),
+        intern!(py, "retention_priority"),
+        intern!(py, "retention_ttl_s"),
+        intern!(py, "_prompt_embeds_per_block_hashes"),
+    ]
+}
+
+/// A registered plain request class.
+pub(crate) struct PlainClass {
+    cls: Py<PyType>,
+    /// The list attribute whose length is `num_tokens` and whose items are the token ids.
+    tokens: Py<PyString>,
+}
+
+impl PlainClass {
+    /// Registers `cls`, whose `num_tokens` is `len(getattr(request, tokens))`.
+    ///
+    /// Refused (`InvalidArgumentError`) unless instances have a `__dict__`, attribute lookup
+    /// is `object`'s (no `__getattribute__` or `__getattr__` of the class's own), and no
+    /// class in its MRO defines any of the fields read from the dict or `tokens`.
+    pub(crate) fn new(cls: &Bound<'_, PyType>, tokens: &Bound<'_, PyString>) -> PyResult<Self> {
+        let py = cls.py();
+        let object = py.get_type::<pyo3::types::PyAny>();
+        let name = cls.qualname()?;
+        if cls
+            .getattr(intern!(py, "__dictoffset__"))?
+            .extract::<isize>()?
+            == 0
+        {
+            return Err(invalid(format!("{name} instances have no __dict__")));
+        }
+        if !cls
+            .getattr(intern!(py, "__getattribute__"))?
+            .is(&object.getattr(intern!(py, "__getattribute__"))?)
+            || cls.hasattr(intern!(py, "__getattr__"))?
+        {
+            return Err(invalid(format!("{name} customises attribute lookup")));
+        }
+        for klass in cls.getattr(intern!(py, "__mro__"))?.try_iter()? {
+            let vars = klass?.getattr(intern!(py, "__dict__"))?;
+            for field in field_names(py).into_iter().chain([tokens]) {
+                if vars.contains(field)? {
+                    return Err(invalid(format!(
+                        "{name}'s class defines {field}: it is not a plain instance attribute"
+                    )));
+                }
+            }
+        }
+        Ok(Self {
+            cls: cls.clone().unbind(),
+            tokens: tokens.clone().unbind(),
+        })
+    }
+
+    /// `request`'s fields: from its dict when its class is exactly this one and the instance
+    /// fits, else `None`.
+    #[inline]
+    pub(crate) fn read<'py>(&self, request: &Bound<'py, PyAny>) -> Option<PlainRequest<'py>> {
+        if !std::ptr::eq(request.get_type_ptr(), self.cls.as_ptr().cast()) {
+            return None;
+        }
+        let py = request.py();
+        #[allow(unsafe_code)]
+        // SAFETY: `request` is a live object and the GIL is held (`py`). The class has a
+        // `__dict__` slot (checked at registration), so `PyObject_GenericGetDict` returns a new
+        // reference to the instance dict (creating it when needed), or NULL with an exception
+        // set, which `from_owned_ptr_or_err` turns into an error.
+        let dict = unsafe {
+            Bound::from_owned_ptr_or_err(
+                py,
+                pyo3::ffi::PyObject_GenericGetDict(request.as_ptr(), std::ptr::null_mut()),
+            )
+        };
+        let dict = dict.ok()?.downcast_into_exact::<PyDict>().ok()?;
+        let tokens = dict
+            .get_item(self.tokens.bind(py))
+            .ok()??
+            .downcast_into_exact::<PyList>()
+            .ok()?;
+        Some(PlainRequest {
+            request: request.clone(),
+            dict,
+            tokens,
+        })
+    }
+}
+
+/// A plain request's instance dict and token list.
+pub(crate) struct PlainRequest<'py> {
+    request: Bound<'py, PyAny>,
+    dict: Bound<'py, PyDict>,
+    tokens: Bound<'py, PyList>,
+}
+
+/// A request's fields, read by attribute lookup or from a plain request's dict.
+pub(crate) enum Fields<'a, 'py> {
+    Attrs(&'a Bound<'py, PyAny>),
+    Plain(PlainRequest<'py>),
+}
+
+impl<'a, 'py> Fields<'a, 'py> {
+    /// `request`'s fields, from its dict when its class is `plain`.
+    #[inline]
+    pub(crate) fn of(plain: Option<&PlainClass>, request: &'a Bound<'py, PyAny>) -> Self {
+        match plain.and_then(|p| p.read(request)) {
+            Some(r) => Fields::Plain(r),
+            None => Fields::Attrs(request),
+        }
+    }
+
+    /// The attribute `name`: `AttributeError` when the request has none.
+    pub(crate) fn get(&self, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            Fields::Attrs(r) => r.getattr(name),
+            Fields::Plain(p) => p.dict.get_item(name)?.ok_or_else(|| {
+                let cls = p
+                    .request
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+                PyAttributeError::new_err(format!("'{cls}' object has no attribute '{name}'"))
+            }),
+        }
+    }
+
+    /// The attribute `name`, or `None` when the request has none.
+    pub(crate) fn opt(&self, name: &Bound<'py, PyString>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        match self {
+            Fields::Attrs(r) => match r.getattr(name) {
+                Ok(v) => Ok(Some(v)),
+                Err(e) if e.is_instance_of::<PyAttributeError>(r.py()) => Ok(None),
+                Err(e) => Err(e),
+            },
+            Fields::Plain(p) => p.dict.get_item(name),
+        }
+    }
+
+    /// `request.num_tokens` (the token list's length for a plain request).
+    pub(crate) fn num_tokens(&self) -> PyResult<usize> {
+        match self {
+            Fields::Attrs(r) => count_of(&r.getattr(intern!(r.py(), "num_tokens"))?, "num_tokens"),
+            Fields::Plain(p) => Ok(p.tokens.len()),
+        }
+    }
+
+    /// `request.request_id`, which must be a str.
+    pub(crate) fn request_id(&self) -> PyResult<Bound<'py, PyString>> {
+        let py = self.request().py();
+        Ok(request_id_of(&self.get(intern!(py, "request_id"))?)?.clone())
+    }
+
+    /// A plain request's token list when it has none of the fields that give its blocks
+    /// extra keys or a LoRA (SPEC §17): its `BlockStored` events then need nothing but tokens,
+    /// read from the list without running Python code.
+    pub(crate) fn tokens_only(&self) -> PyResult<Option<&Bound<'py, PyList>>> {
+        let Fields::Plain(p) = self else {
+            return Ok(None);
+        };
+        let py = p.tokens.py();
+        for name in [
+            intern!(py, "lora_request"),
+            intern!(py, "cache_salt"),
+            intern!(py, "prompt_embeds"),
+        ] {
+            if p.dict.get_item(name)?.is_some_and(|v| !v.is_none()) {
+                return Ok(None);
+            }
+        }
+        if let Some(mm) = p.dict.get_item(intern!(py, "mm_features"))? {
+            let none = mm.is_none() || mm.downcast::<PyList>().is_ok_and(|l| l.is_empty());
+            if !none {
+                return Ok(None);
+            }
+        }
+        Ok(Some(&p.tokens))
+    }
+
+    /// A plain copy of the fields a `BlockStored` event reads (SPEC §17), taken before the
+    /// tables are held so that a request whose attributes run Python code is not read
+    /// meanwhile (a plain request's `all_token_ids` is its token list).
+    pub(crate) fn event_snapshot(&self) -> PyResult<Bound<'py, PyAny>> {
+        static NAMESPACE: GILOnceCell<PyObject> = GILOnceCell::new();
+        let py = self.request().py();
+        let cls = NAMESPACE.get_or_try_init(py, || -> PyResult<PyObject> {
+            Ok(py.import("types")?.getattr("SimpleNamespace")?.unbind())
+        })?;
+        let fields = PyDict::new(py);
+        let all = intern!(py, "all_token_ids");
+        let tokens = match self {
+            Fields::Attrs(_) => self.opt(all)?,
+            Fields::Plain(p) => Some(p.tokens.clone().into_any()),
+        };
+        if let Some(v) = tokens {
+            fields.set_item(all, v)?;
+        }
+        for name in [
+            intern!(py, "lora_request"),
+            intern!(py, "cache_salt"),
+            intern!(py, "mm_features"),
+            intern!(py, "prompt_embeds"),
+            intern!(py, "_prompt_embeds_per_block_hashes"),
+        ] {
+            if let Some(v) = self.opt(name)? {
+                fields.set_item(name, v)?;
+            }
+        }
+        cls.bind(py).call((), Some(&fields))
+    }
+
+    /// The request object.
+    pub(crate) fn request(&self) -> &Bound<'py, PyAny> {
+        match self {
+            Fields::Attrs(r) => r,
+            Fields::Plain(p) => &p.request,
+        }
+    }
+}

@@ -1,0 +1,236 @@
+"""Requests of a registered *plain* class are read from their instance dict.
+
+``KVCacheManager._plain_request_class`` names a class whose fields the core reads from the
+instance dict (``kvcore.vllm`` names vLLM's ``Request``). These tests run the same workload
+through a manager that reads a plain class that way and one that reads a subclass of it (which
+the core reads by attribute lookup, since only the exact class is plain): every result, every
+event and every error must be the same. The registration refuses classes where a dict read
+could differ from ``getattr``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, ClassVar
+
+import pytest
+
+from kvcore import (
+    FullAttentionSpec,
+    InvalidArgumentError,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheManager,
+    SlidingWindowSpec,
+)
+from kvcore.hashing import get_request_block_hasher, init_none_hash, sha256
+
+ATTN: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
+BLOCK = 4
+RUNNING = 2  # RequestStatus.RUNNING
+
+
+class PlainRequest:
+    """vLLM's layout: plain attributes, ``num_tokens`` a property over a token list."""
+
+    def __init__(self, request_id: str, prompt: list[int], hasher: Any) -> None:
+        self.request_id = request_id
+        self._all_token_ids = list(prompt)
+        self.all_token_ids = self._all_token_ids
+        self.num_prompt_tokens = len(prompt)
+        self.num_computed_tokens = 0
+        self.status = 1  # WAITING
+        self.skip_reading_prefix_cache = False
+        self.lora_request = None
+        self.cache_salt: str | None = None
+        self.mm_features: list[Any] = []
+        self.prompt_embeds = None
+        self.block_hashes: list[bytes] = []
+        self._hasher = hasher
+        self.block_hashes.extend(hasher(self))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    def append(self, token: int) -> None:
+        self._all_token_ids.append(token)
+        self.block_hashes.extend(self._hasher(self))
+
+
+class DuckRequest(PlainRequest):
+    """The same request, read by attribute lookup (a subclass is not the plain class)."""
+
+
+class PlainManager(KVCacheManager):
+    _plain_request_class: ClassVar[tuple[type, str] | None] = (PlainRequest, "_all_token_ids")
+
+
+def config(hybrid: bool) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=BLOCK, **ATTN))]
+    if hybrid:
+        groups.append(
+            KVCacheGroupSpec(["swa"], SlidingWindowSpec(block_size=BLOCK, sliding_window=8, **ATTN))
+        )
+    return KVCacheConfig(num_blocks=48, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def outcome(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """The call's result, or its exception's class and message."""
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as e:
+        return ("raised", type(e), str(e))
+    if hasattr(result, "get_block_ids"):
+        return result.get_block_ids()
+    if isinstance(result, tuple) and result and hasattr(result[0], "get_block_ids"):
+        return (result[0].get_block_ids(), *result[1:])
+    return result
+
+
+def play(mgr: KVCacheManager, cls: type[PlainRequest], seed: int) -> list[Any]:
+    """A seeded workload of admissions, decode steps, frees and a few bad requests."""
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 13))] for _ in range(3)]
+    log: list[Any] = []
+    running: list[PlainRequest] = []
+    for step in range(60):
+        if rng.random() < 0.4:
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+            req: Any = cls(f"r{step}", prompt, hasher)
+            if rng.random() < 0.2:
+                req.mm_features = []
+            hits = outcome(mgr.get_computed_blocks, req)
+            log.append(hits)
+            blocks, n = mgr.get_computed_blocks(req)
+            got = outcome(mgr.allocate_slots, req, req.num_tokens - n, n, blocks)
+            log.append(got)
+            if got is not None and got[0] != "raised":
+                req.num_computed_tokens = req.num_tokens
+                req.status = RUNNING
+                running.append(req)
+        for req in list(running):
+            got = outcome(mgr.allocate_slots, req, 1, num_lookahead_tokens=rng.randrange(2))
+            log.append(got)
+            if got is None:
+                mgr.free(req)
+                running.remove(req)
+                continue
+            req.num_computed_tokens += 1
+            req.append(rng.randrange(50))
+        if running and rng.random() < 0.2:
+            done = running.pop(rng.randrange(len(running)))
+            log.append(outcome(mgr.free, done))
+        log.append(mgr.take_events())
+        log.append(mgr.usage)
+    # Misuse: a negative count and a missing attribute raise the same on both paths.
+    bad = cls("bad", [1, 2, 3], hasher)
+    bad.num_computed_tokens = -1
+    log.append(outcome(mgr.allocate_slots, bad, 1))
+    missing = cls("missing", [1, 2, 3], hasher)
+    del missing.num_computed_tokens
+    log.append(outcome(mgr.allocate_slots, missing, 1))
+    not_a_list = cls("tuple-tokens", [1, 2, 3, 4, 5], hasher)
+    not_a_list._all_token_ids = tuple(not_a_list._all_token_ids)  # type: ignore[assignment]
+    log.append(outcome(mgr.get_computed_blocks, not_a_list))
+    log.append(outcome(mgr.allocate_slots, not_a_list, 5))
+    for req in running:
+        mgr.free(req)
+    log.append(mgr.take_events())
+    mgr.check_invariants()
+    return log
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plain_request_reads_as_by_attribute(hybrid: bool, seed: int) -> None:
+    def manager() -> KVCacheManager:
+        return PlainManager(
+            config(hybrid),
+            max_model_len=256,
+            scheduler_block_size=BLOCK,
+            hash_block_size=BLOCK,
+            enable_kv_cache_events=True,
+        )
+
+    init_none_hash(sha256)
+    plain = play(manager(), PlainRequest, seed)
+    duck = [
+        (x[0], x[1], x[2].replace("DuckRequest", "PlainRequest"))
+        if isinstance(x, tuple) and x and x[0] == "raised"
+        else x
+        for x in play(manager(), DuckRequest, seed)
+    ]
+    assert plain == duck
+    assert any(isinstance(x, list) and x for x in plain)  # events were compared
+
+
+def test_the_plain_reader_is_the_one_used() -> None:
+    """A plain request whose ``num_tokens`` property lies is read by its token list."""
+
+    class Lying(PlainRequest):
+        pass
+
+    class LyingManager(KVCacheManager):
+        _plain_request_class = (Lying, "_all_token_ids")
+
+    Lying.num_tokens = property(lambda self: 10**6)  # type: ignore[assignment]
+    mgr = LyingManager(
+        config(False), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+    )
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    first: Any = Lying("a", list(range(8)), hasher)
+    assert mgr.allocate_slots(first, 8) is not None
+    mgr.free(first)
+    # The hit stops before the last of the 8 tokens (MGR-7): one block. Read through the
+    # property (10**6 tokens) it would be both.
+    second: Any = Lying("b", list(range(8)), hasher)
+    assert mgr.get_computed_blocks(second)[1] == BLOCK
+    third: Any = DuckLying("c", list(range(8)), hasher)
+    assert mgr.get_computed_blocks(third)[1] == 2 * BLOCK
+
+
+class DuckLying(PlainRequest):
+    num_tokens = property(lambda self: 10**6)
+
+
+class Slotted:
+    __slots__ = ("request_id",)
+
+
+class WithProperty:
+    @property
+    def num_computed_tokens(self) -> int:
+        return 0
+
+
+class WithGetattr:
+    def __getattr__(self, name: str) -> Any:
+        return 0
+
+
+class WithClassDefault:
+    status = 0
+
+
+class TokensOnClass:
+    _all_token_ids: ClassVar[list[int]] = []
+
+
+@pytest.mark.parametrize(
+    ("cls", "message"),
+    [
+        (Slotted, "no __dict__"),
+        (WithProperty, "defines num_computed_tokens"),
+        (WithGetattr, "customises attribute lookup"),
+        (WithClassDefault, "defines status"),
+        (TokensOnClass, "defines _all_token_ids"),
+    ],
+)
+def test_a_class_that_is_not_plain_is_refused(cls: type, message: str) -> None:
+    class Manager(KVCacheManager):
+        _plain_request_class = (cls, "_all_token_ids")
+
+    with pytest.raises(InvalidArgumentError, match=message):
+        Manager(config(False), max_model_len=64, scheduler_block_size=BLOCK, hash_block_size=BLOCK)
