@@ -559,24 +559,25 @@ def test_mgr_22_fa_2_common_prefix_blocks() -> None:
 
 
 def test_mgr_24_take_events_annotation_and_bad_group(caplog: pytest.LogCaptureFixture) -> None:
-    """MGR-24: BlockStored gets kind/window by group; an out-of-range group is logged."""
-
-    class Wrapped:
-        def __init__(self, events: list[Any]) -> None:
-            self.events = events
-
-        def take_events(self) -> list[Any]:
-            return self.events
-
-    m = make_manager(10, [full(), swa()], max_num_batched_tokens=64)
-    bad = BlockStored([1], None, [1], 16, None, "GPU", None, group_idx=5)
-    ok = BlockStored([1], None, [1], 16, None, "GPU", None, group_idx=1)
-    m.block_pool = Wrapped([bad, ok, AllBlocksCleared()])  # type: ignore[assignment]
+    """MGR-24: BlockStored gets kind/window by group; a group without metadata is logged."""
+    m = make_manager(10, [full(), swa()], max_num_batched_tokens=64, enable_kv_cache_events=True)
+    m.allocate_slots(req("a", r1to(40)), 40)
+    m.kv_cache_event_metadata = m.kv_cache_event_metadata[:1]  # group 1 unknown
     with caplog.at_level(logging.WARNING, logger="kvcore.manager"):
         events = m.take_events()
-    assert events[0].kv_cache_spec_kind is None  # type: ignore[attr-defined]
-    assert (ok.kv_cache_spec_kind, ok.kv_cache_spec_sliding_window) == ("sliding_window", 32)
-    assert "not in KV cache metadata" in caplog.text
+    stored = {e.group_idx: e for e in events if isinstance(e, BlockStored)}
+    assert sorted(stored) == [0, 1]
+    assert (stored[0].kv_cache_spec_kind, stored[0].kv_cache_spec_sliding_window) == (
+        "full_attention",
+        None,
+    )
+    assert stored[1].kv_cache_spec_kind is None
+    assert stored[1].kv_cache_spec_sliding_window is None
+    assert "Group index 1 not in KV cache metadata" in caplog.text
+    m2 = make_manager(10, [full(), swa()], max_num_batched_tokens=64, enable_kv_cache_events=True)
+    m2.allocate_slots(req("a", r1to(40)), 40)
+    windows = {e.group_idx: e.kv_cache_spec_sliding_window for e in m2.take_events()}
+    assert windows == {0: None, 1: 32}
 
 
 def test_mgr_25_mgr_26_block_ids() -> None:

@@ -224,6 +224,13 @@ class BlockPool:
     def evict_blocks(self, block_ids: Iterable[int]) -> None: ...
     def reset_prefix_cache(self) -> bool: ...
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
+    def _take_events_as(
+        self,
+        group_meta: Sequence[tuple[str, int | None]],
+        classes: tuple[type, type, type] | None = None,
+    ) -> tuple[list[Any], list[int]]:
+        """The events, ``BlockStored`` annotated from ``group_meta`` (MGR-24) and built as
+        ``classes`` when given; and the group ids ``group_meta`` lacks."""
     def record_block_ops(self, on: bool) -> None:
         """Starts or stops recording the operations a block-metrics collector follows."""
     def take_block_ops(self) -> list[tuple[int, int]]:

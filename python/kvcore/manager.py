@@ -31,7 +31,7 @@ from kvcore._native import BlockPool, KVCacheManagerCore
 from kvcore.blocks import KVCacheBlocks
 from kvcore.coordinator import get_kv_cache_coordinator
 from kvcore.errors import InvalidConfigError
-from kvcore.events import BlockStored, KVCacheEvent
+from kvcore.events import KVCacheEvent
 from kvcore.specs import (
     FullAttentionSpec,
     get_kv_cache_spec_kind,
@@ -140,6 +140,15 @@ class KVCacheManager(KVCacheManagerCore):
     with the list attribute whose length is ``num_tokens``; ``kvcore.vllm`` names vLLM's
     ``Request``. The core refuses a class with a descriptor or lookup hook in the way."""
 
+    _stats_class: ClassVar[type[PrefixCacheStats]] = PrefixCacheStats
+    """The class of :attr:`prefix_cache_stats`: fields and ``record`` as
+    :class:`PrefixCacheStats` (``kvcore.vllm`` names vLLM's, its scheduler's own type)."""
+
+    _event_classes: ClassVar[tuple[type, type, type] | None] = None
+    """The classes :meth:`take_events` builds ``(BlockStored, BlockRemoved,
+    AllBlocksCleared)`` as, called with the same fields; None: kvcore's own. ``kvcore.vllm``
+    names vLLM's, which its event publisher encodes."""
+
     def __init__(
         self,
         kv_cache_config: KVCacheConfig,
@@ -204,7 +213,9 @@ class KVCacheManager(KVCacheManagerCore):
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
-        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
+        self.prefix_cache_stats: PrefixCacheStats | None = (
+            self._stats_class() if log_stats else None
+        )
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config,
             max_model_len,
@@ -279,7 +290,7 @@ class KVCacheManager(KVCacheManagerCore):
         if not self.log_stats:
             return None
         stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
+        self.prefix_cache_stats = self._stats_class()
         return stats
 
     @_serialized
@@ -440,16 +451,11 @@ class KVCacheManager(KVCacheManagerCore):
         Returns:
             The events in emission order.
         """
-        events: list[KVCacheEvent] = list(self.block_pool.take_events())
-        meta = self.kv_cache_event_metadata
-        for event in events:
-            if not isinstance(event, BlockStored) or event.group_idx is None:
-                continue
-            gid = event.group_idx
-            if gid < 0 or gid >= len(meta):
-                logger.warning("Group index %s not in KV cache metadata", gid)
-                continue
-            event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = meta[gid]
+        events, unknown = self.block_pool._take_events_as(
+            self.kv_cache_event_metadata, self._event_classes
+        )
+        for gid in unknown:
+            logger.warning("Group index %s not in KV cache metadata", gid)
         return events
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[int], ...]) -> KVCacheBlocks:

@@ -10,15 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm.distributed import kv_events as _vllm_events
 from vllm.v1.core.kv_cache_utils import KVCacheBlock as _VllmKVCacheBlock
-from vllm.v1.metrics.stats import PrefixCacheStats as _VllmPrefixCacheStats
 
 from kvcore import specs as kv_specs
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.errors import InvalidConfigError
-from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvcore.manager import PrefixCacheStats
 
 
 def convert_spec(spec: Any) -> kv_specs.KVCacheSpec:
@@ -79,57 +75,6 @@ def convert_kv_cache_config(config: Any) -> KVCacheConfig:
             )
             for g in config.kv_cache_groups
         ],
-    )
-
-
-def vllm_events(events: list[KVCacheEvent]) -> list[Any]:
-    """vLLM's ``vllm.distributed.kv_events`` objects for kvcore's events (same field values).
-
-    vLLM's publisher encodes its own msgspec structs only; the copies encode to the bytes vLLM's
-    own manager's events would.
-    """
-    v = _vllm_events
-    out: list[Any] = []
-    for e in events:
-        if isinstance(e, BlockStored):
-            out.append(
-                v.BlockStored(
-                    block_hashes=list(e.block_hashes),
-                    parent_block_hash=e.parent_block_hash,
-                    token_ids=list(e.token_ids),
-                    block_size=e.block_size,
-                    lora_id=e.lora_id,
-                    medium=e.medium,
-                    lora_name=e.lora_name,
-                    extra_keys=e.extra_keys,
-                    group_idx=e.group_idx,
-                    kv_cache_spec_kind=e.kv_cache_spec_kind,
-                    kv_cache_spec_sliding_window=e.kv_cache_spec_sliding_window,
-                )
-            )
-        elif isinstance(e, BlockRemoved):
-            out.append(
-                v.BlockRemoved(
-                    block_hashes=list(e.block_hashes), medium=e.medium, group_idx=e.group_idx
-                )
-            )
-        elif isinstance(e, AllBlocksCleared):
-            out.append(v.AllBlocksCleared())
-        else:  # pragma: no cover - the pool emits only the three kinds
-            raise TypeError(f"unknown KV event {type(e).__name__}")
-    return out
-
-
-def vllm_prefix_cache_stats(stats: PrefixCacheStats) -> Any:
-    """vLLM's ``PrefixCacheStats`` with kvcore's counts."""
-    return _VllmPrefixCacheStats(
-        reset=stats.reset,
-        requests=stats.requests,
-        queries=stats.queries,
-        hits=stats.hits,
-        preempted_requests=stats.preempted_requests,
-        preempted_queries=stats.preempted_queries,
-        preempted_hits=stats.preempted_hits,
     )
 
 

@@ -3,7 +3,9 @@
 vLLM 0.25.1's scheduler builds its manager from ``vllm.v1.kv_cache_interface`` objects, reads
 ``vllm.distributed.kv_events`` objects from ``take_events()`` (its ZMQ publisher encodes only
 those) and ``vllm.v1.metrics.stats.PrefixCacheStats`` from ``make_prefix_cache_stats()``. This
-class converts at exactly those points and is otherwise kvcore's ``KVCacheManager``.
+class converts the configuration, has the core build vLLM's event structs and keep vLLM's stats
+class, has it read vLLM's ``Request`` from its instance dict, and is otherwise kvcore's
+``KVCacheManager``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
+from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.v1.metrics.stats import PrefixCacheStats as VllmPrefixCacheStats
 from vllm.v1.request import Request as VllmRequest
 
 from kvcore._native import Retention
@@ -19,8 +25,6 @@ from kvcore.manager import KVCacheManager as _KVCacheManager
 from kvcore.vllm._convert import (
     convert_kv_cache_config,
     feed_metrics,
-    vllm_events,
-    vllm_prefix_cache_stats,
 )
 
 
@@ -122,6 +126,12 @@ class KVCacheManager(_KVCacheManager):
             bad ``KVCORE_VLLM_RETENTION_FROM_PRIORITY``.
     """
 
+    _stats_class = VllmPrefixCacheStats
+    """The stats are vLLM's ``PrefixCacheStats`` (same fields and ``record``)."""
+
+    _event_classes = (VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared)
+    """Events are built as vLLM's ``vllm.distributed.kv_events`` structs (same fields)."""
+
     _plain_request_class = (VllmRequest, "_all_token_ids")
     """vLLM's ``Request`` keeps its fields as plain attributes and ``num_tokens`` is
     ``len(self._all_token_ids)``: the core reads them from the instance dict."""
@@ -179,9 +189,4 @@ class KVCacheManager(_KVCacheManager):
         """
         if self.metrics_collector is not None:
             feed_metrics(self.metrics_collector, self.block_pool.take_block_ops())
-        return vllm_events(super().take_events())
-
-    def make_prefix_cache_stats(self) -> Any:
-        """Hands back the current stats as vLLM's ``PrefixCacheStats`` and starts fresh ones."""
-        stats = super().make_prefix_cache_stats()
-        return None if stats is None else vllm_prefix_cache_stats(stats)
+        return super().take_events()

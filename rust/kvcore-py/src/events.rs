@@ -4,7 +4,7 @@ use kvcore_core::events::KvEvent;
 use kvcore_core::hash::BlockHash;
 use kvcore_core::value::Value;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 const MEDIUM_GPU: &str = "GPU";
 
@@ -123,6 +123,9 @@ pub(crate) const STORED_FIELDS: [&str; 11] = [
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
 ];
+
+/// `BlockRemoved`'s fields, in order.
+const REMOVED_FIELDS: [&str; 3] = ["block_hashes", "medium", "group_idx"];
 
 impl BlockStored {
     fn values(&self) -> [&PyObject; 11] {
@@ -351,10 +354,36 @@ impl AllBlocksCleared {
     }
 }
 
-/// Converts drained core events into a Python list of event objects.
+/// How [`events_to_py`] builds the Python events.
+#[derive(Default)]
+pub struct EventStyle<'a, 'py> {
+    /// `None`: kvcore's own classes. Else the `(BlockStored, BlockRemoved, AllBlocksCleared)`
+    /// classes to call with the same fields as keyword arguments (`kvcore.vllm` passes vLLM's
+    /// `vllm.distributed.kv_events` structs, which its publisher encodes).
+    pub classes: Option<&'a [Bound<'py, PyAny>; 3]>,
+    /// Per group, a `BlockStored`'s `(kv_cache_spec_kind, kv_cache_spec_sliding_window)`
+    /// (SPEC MGR-24); `None`: both left None.
+    pub group_meta: Option<&'a [(PyObject, PyObject)]>,
+}
+
+/// Converts drained core events into a Python list of event objects, and the group ids of
+/// `BlockStored` events `style.group_meta` has no entry for (their spec fields stay None).
 /// `as_int` selects the integer form of hashes (SPEC EVT-2, see [`use_int_hashes`]).
-pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>, as_int: bool) -> PyResult<Py<PyList>> {
+pub fn events_to_py(
+    py: Python<'_>,
+    events: Vec<KvEvent>,
+    as_int: bool,
+    style: &EventStyle<'_, '_>,
+) -> PyResult<(Py<PyList>, Vec<u32>)> {
     let out = PyList::empty(py);
+    let mut unknown = Vec::new();
+    let intern = |names: &[&str]| -> Vec<Bound<'_, PyString>> {
+        names.iter().map(|n| PyString::intern(py, n)).collect()
+    };
+    let (stored_names, removed_names) = match style.classes {
+        Some(_) => (intern(&STORED_FIELDS), intern(&REMOVED_FIELDS)),
+        None => (Vec::new(), Vec::new()),
+    };
     let medium: PyObject = MEDIUM_GPU.into_pyobject(py)?.into_any().unbind();
     for ev in events {
         let obj: PyObject = match ev {
@@ -386,6 +415,16 @@ pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>, as_int: bool) -> PyRes
                         PyList::new(py, items)?.into_any().unbind()
                     }
                 };
+                let (kind, window) = match style.group_meta {
+                    None => (py.None(), py.None()),
+                    Some(m) => match m.get(group_idx as usize) {
+                        Some((k, w)) => (k.clone_ref(py), w.clone_ref(py)),
+                        None => {
+                            unknown.push(group_idx);
+                            (py.None(), py.None())
+                        }
+                    },
+                };
                 let opt = |v: Option<PyObject>| v.unwrap_or_else(|| py.None());
                 let stored = BlockStored {
                     block_hashes: PyList::new(py, hashes)?.into_any().unbind(),
@@ -404,14 +443,17 @@ pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>, as_int: bool) -> PyRes
                         .transpose()?),
                     extra_keys: extra,
                     group_idx: group_idx.into_pyobject(py)?.into_any().unbind(),
-                    kv_cache_spec_kind: py.None(),
-                    kv_cache_spec_sliding_window: py.None(),
+                    kv_cache_spec_kind: kind,
+                    kv_cache_spec_sliding_window: window,
                 };
-                Py::new(
-                    py,
-                    PyClassInitializer::from(KVCacheEvent).add_subclass(stored),
-                )?
-                .into_any()
+                match style.classes {
+                    None => Py::new(
+                        py,
+                        PyClassInitializer::from(KVCacheEvent).add_subclass(stored),
+                    )?
+                    .into_any(),
+                    Some([cls, _, _]) => call_with_fields(cls, &stored_names, &stored.values())?,
+                }
             }
             KvEvent::BlockRemoved {
                 block_hash,
@@ -423,21 +465,40 @@ pub fn events_to_py(py: Python<'_>, events: Vec<KvEvent>, as_int: bool) -> PyRes
                     medium: medium.clone_ref(py),
                     group_idx: group_idx.into_pyobject(py)?.into_any().unbind(),
                 };
-                Py::new(
-                    py,
-                    PyClassInitializer::from(KVCacheEvent).add_subclass(removed),
-                )?
-                .into_any()
+                match style.classes {
+                    None => Py::new(
+                        py,
+                        PyClassInitializer::from(KVCacheEvent).add_subclass(removed),
+                    )?
+                    .into_any(),
+                    Some([_, cls, _]) => call_with_fields(cls, &removed_names, &removed.values())?,
+                }
             }
-            KvEvent::AllBlocksCleared => Py::new(
-                py,
-                PyClassInitializer::from(KVCacheEvent).add_subclass(AllBlocksCleared),
-            )?
-            .into_any(),
+            KvEvent::AllBlocksCleared => match style.classes {
+                None => Py::new(
+                    py,
+                    PyClassInitializer::from(KVCacheEvent).add_subclass(AllBlocksCleared),
+                )?
+                .into_any(),
+                Some([_, _, cls]) => cls.call0()?.unbind(),
+            },
         };
         out.append(obj)?;
     }
-    Ok(out.unbind())
+    Ok((out.unbind(), unknown))
+}
+
+/// `cls(**dict(zip(names, values)))`.
+fn call_with_fields(
+    cls: &Bound<'_, PyAny>,
+    names: &[Bound<'_, PyString>],
+    values: &[&PyObject],
+) -> PyResult<PyObject> {
+    let kwargs = PyDict::new(cls.py());
+    for (name, value) in names.iter().zip(values) {
+        kwargs.set_item(name, value)?;
+    }
+    Ok(cls.call((), Some(&kwargs))?.unbind())
 }
 
 /// Converts a Python extra-key value (None, int, str, bytes, tuple or list of those) into a

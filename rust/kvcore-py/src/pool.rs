@@ -19,7 +19,7 @@ use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PySlice, PyTuple};
 
 use crate::args::{group_id_of, int_of, Flag, Int};
 use crate::errors::{error, invalid, to_pyerr, type_error, Error, Kind};
-use crate::events::{events_to_py, py_to_value, use_int_hashes};
+use crate::events::{events_to_py, py_to_value, use_int_hashes, EventStyle};
 use crate::plain::Fields;
 use crate::request::PyRequestCore;
 use crate::sync::{lock, GilCell, Guarded};
@@ -344,6 +344,25 @@ fn needs_extra_keys(py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<bool
 #[pyclass(module = "kvcore._native", name = "BlockPool", frozen)]
 pub struct PyBlockPool {
     state: GilCell<PoolState>,
+}
+
+impl PyBlockPool {
+    /// Drains the event queue into Python events ([`events_to_py`]).
+    fn drain_events(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        style: &EventStyle<'_, '_>,
+    ) -> PyResult<(Py<PyList>, Vec<u32>)> {
+        if !lock(slf, "pool")?.inner.has_pending_events() {
+            return Ok((PyList::empty(py).unbind(), Vec::new()));
+        }
+        // Read the hash form first: a bad environment value must leave the queue intact.
+        let as_int = use_int_hashes(py)?;
+        // Building the Python events can run Python code (a collection, finalizers, the
+        // given classes) and so switch threads: the pool is not borrowed while it does.
+        let events = lock(slf, "pool")?.inner.take_events();
+        events_to_py(py, events, as_int, style)
+    }
 }
 
 impl Guarded for PyBlockPool {
@@ -1144,15 +1163,25 @@ impl PyBlockPool {
     }
 
     fn take_events(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<Py<PyList>> {
-        if !lock(slf, "pool")?.inner.has_pending_events() {
-            return Ok(PyList::empty(py).unbind());
-        }
-        // Read the hash form first: a bad environment value must leave the queue intact.
-        let as_int = use_int_hashes(py)?;
-        // Building the Python events can run Python code (a collection, finalizers) and so
-        // switch threads: the pool is not borrowed while it does.
-        let events = lock(slf, "pool")?.inner.take_events();
-        events_to_py(py, events, as_int)
+        Ok(Self::drain_events(slf, py, &EventStyle::default())?.0)
+    }
+
+    /// The queued events with each `BlockStored`'s `kv_cache_spec_*` fields taken from
+    /// `group_meta[group_idx]` (SPEC MGR-24), built as kvcore's classes or, with `classes`,
+    /// as `(BlockStored, BlockRemoved, AllBlocksCleared)` called with the same fields; and the
+    /// group ids `group_meta` has no entry for.
+    #[pyo3(signature = (group_meta, classes = None))]
+    fn _take_events_as(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        group_meta: Vec<(PyObject, PyObject)>,
+        classes: Option<[Bound<'_, PyAny>; 3]>,
+    ) -> PyResult<(Py<PyList>, Vec<u32>)> {
+        let style = EventStyle {
+            classes: classes.as_ref(),
+            group_meta: Some(&group_meta),
+        };
+        Self::drain_events(slf, py, &style)
     }
 
     /// Starts or stops recording the operations a block-metrics collector follows.
