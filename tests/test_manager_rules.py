@@ -566,7 +566,7 @@ def test_mgr_24_take_events_annotation_and_bad_group(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING, logger="kvcore.manager"):
         events = m.take_events()
     stored = {e.group_idx: e for e in events if isinstance(e, BlockStored)}
-    assert sorted(stored) == [0, 1]
+    assert set(stored) == {0, 1}
     assert (stored[0].kv_cache_spec_kind, stored[0].kv_cache_spec_sliding_window) == (
         "full_attention",
         None,
@@ -576,7 +576,11 @@ def test_mgr_24_take_events_annotation_and_bad_group(caplog: pytest.LogCaptureFi
     assert "Group index 1 not in KV cache metadata" in caplog.text
     m2 = make_manager(10, [full(), swa()], max_num_batched_tokens=64, enable_kv_cache_events=True)
     m2.allocate_slots(req("a", r1to(40)), 40)
-    windows = {e.group_idx: e.kv_cache_spec_sliding_window for e in m2.take_events()}
+    windows = {
+        e.group_idx: e.kv_cache_spec_sliding_window
+        for e in m2.take_events()
+        if isinstance(e, BlockStored)
+    }
     assert windows == {0: None, 1: 32}
 
 
