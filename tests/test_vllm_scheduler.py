@@ -216,6 +216,31 @@ def test_drift_public_methods_match_vllm() -> None:
 
 
 @pytest.mark.reference
+def test_drift_event_fields_match_vllm() -> None:
+    """kvcore builds vLLM's event structs positionally, in the fields' order of its own."""
+    from vllm.distributed import kv_events
+
+    from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    classes = kvcore.vllm.KVCacheManager._event_classes
+    assert classes == (kv_events.BlockStored, kv_events.BlockRemoved, kv_events.AllBlocksCleared)
+    ours: tuple[Any, ...] = (BlockStored, BlockRemoved, AllBlocksCleared)
+    for mine, theirs in zip(ours, classes, strict=True):
+        assert theirs.__struct_fields__ == mine.__match_args__
+
+
+def test_vllm_request_is_read_as_a_plain_class() -> None:
+    """vLLM's ``Request`` passes the plain-class checks (a dict read is what getattr reads)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    assert kvcore.vllm.KVCacheManager._plain_request_class == (Request, "_all_token_ids")
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), None)
+    req.append_output_token_ids([4, 5])
+    assert req.num_tokens == len(req._all_token_ids) == 5
+    assert list(req.all_token_ids) == req._all_token_ids
+
+
 def test_instance_attributes_match_vllm() -> None:
     """The attributes vLLM's scheduler and connectors read exist on kvcore's manager."""
     setup = h.Setup(model="swa")

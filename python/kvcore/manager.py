@@ -146,8 +146,9 @@ class KVCacheManager(KVCacheManagerCore):
 
     _event_classes: ClassVar[tuple[type, type, type] | None] = None
     """The classes :meth:`take_events` builds ``(BlockStored, BlockRemoved,
-    AllBlocksCleared)`` as, called with the same fields; None: kvcore's own. ``kvcore.vllm``
-    names vLLM's, which its event publisher encodes."""
+    AllBlocksCleared)`` as, called with the same fields positionally, in the order of kvcore's
+    (``__match_args__``); None: kvcore's own. ``kvcore.vllm`` names vLLM's, which its event
+    publisher encodes."""
 
     def __init__(
         self,

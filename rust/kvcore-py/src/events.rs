@@ -4,7 +4,7 @@ use kvcore_core::events::KvEvent;
 use kvcore_core::hash::BlockHash;
 use kvcore_core::value::Value;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
 const MEDIUM_GPU: &str = "GPU";
 
@@ -123,9 +123,6 @@ pub(crate) const STORED_FIELDS: [&str; 11] = [
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
 ];
-
-/// `BlockRemoved`'s fields, in order.
-const REMOVED_FIELDS: [&str; 3] = ["block_hashes", "medium", "group_idx"];
 
 impl BlockStored {
     fn values(&self) -> [&PyObject; 11] {
@@ -358,8 +355,8 @@ impl AllBlocksCleared {
 #[derive(Default)]
 pub struct EventStyle<'a, 'py> {
     /// `None`: kvcore's own classes. Else the `(BlockStored, BlockRemoved, AllBlocksCleared)`
-    /// classes to call with the same fields as keyword arguments (`kvcore.vllm` passes vLLM's
-    /// `vllm.distributed.kv_events` structs, which its publisher encodes).
+    /// classes to call with the same fields, positionally in the same order (`kvcore.vllm`
+    /// passes vLLM's `vllm.distributed.kv_events` structs, which its publisher encodes).
     pub classes: Option<&'a [Bound<'py, PyAny>; 3]>,
     /// Per group, a `BlockStored`'s `(kv_cache_spec_kind, kv_cache_spec_sliding_window)`
     /// (SPEC MGR-24); `None`: both left None.
@@ -377,13 +374,6 @@ pub fn events_to_py(
 ) -> PyResult<(Py<PyList>, Vec<u32>)> {
     let out = PyList::empty(py);
     let mut unknown = Vec::new();
-    let intern = |names: &[&str]| -> Vec<Bound<'_, PyString>> {
-        names.iter().map(|n| PyString::intern(py, n)).collect()
-    };
-    let (stored_names, removed_names) = match style.classes {
-        Some(_) => (intern(&STORED_FIELDS), intern(&REMOVED_FIELDS)),
-        None => (Vec::new(), Vec::new()),
-    };
     let medium: PyObject = MEDIUM_GPU.into_pyobject(py)?.into_any().unbind();
     for ev in events {
         let obj: PyObject = match ev {
@@ -452,7 +442,7 @@ pub fn events_to_py(
                         PyClassInitializer::from(KVCacheEvent).add_subclass(stored),
                     )?
                     .into_any(),
-                    Some([cls, _, _]) => call_with_fields(cls, &stored_names, &stored.values())?,
+                    Some([cls, _, _]) => call_with_fields(cls, &stored.values())?,
                 }
             }
             KvEvent::BlockRemoved {
@@ -471,7 +461,7 @@ pub fn events_to_py(
                         PyClassInitializer::from(KVCacheEvent).add_subclass(removed),
                     )?
                     .into_any(),
-                    Some([_, cls, _]) => call_with_fields(cls, &removed_names, &removed.values())?,
+                    Some([_, cls, _]) => call_with_fields(cls, &removed.values())?,
                 }
             }
             KvEvent::AllBlocksCleared => match style.classes {
@@ -488,17 +478,9 @@ pub fn events_to_py(
     Ok((out.unbind(), unknown))
 }
 
-/// `cls(**dict(zip(names, values)))`.
-fn call_with_fields(
-    cls: &Bound<'_, PyAny>,
-    names: &[Bound<'_, PyString>],
-    values: &[&PyObject],
-) -> PyResult<PyObject> {
-    let kwargs = PyDict::new(cls.py());
-    for (name, value) in names.iter().zip(values) {
-        kwargs.set_item(name, value)?;
-    }
-    Ok(cls.call((), Some(&kwargs))?.unbind())
+/// `cls(*values)`: the given classes take the fields positionally, in EVT-1 order.
+fn call_with_fields(cls: &Bound<'_, PyAny>, values: &[&PyObject]) -> PyResult<PyObject> {
+    Ok(cls.call1(PyTuple::new(cls.py(), values)?)?.unbind())
 }
 
 /// Converts a Python extra-key value (None, int, str, bytes, tuple or list of those) into a

@@ -1168,8 +1168,8 @@ impl PyBlockPool {
 
     /// The queued events with each `BlockStored`'s `kv_cache_spec_*` fields taken from
     /// `group_meta[group_idx]` (SPEC MGR-24), built as kvcore's classes or, with `classes`,
-    /// as `(BlockStored, BlockRemoved, AllBlocksCleared)` called with the same fields; and the
-    /// group ids `group_meta` has no entry for.
+    /// as `(BlockStored, BlockRemoved, AllBlocksCleared)` called with the same fields in the
+    /// same order (positionally); and the group ids `group_meta` has no entry for.
     #[pyo3(signature = (group_meta, classes = None))]
     fn _take_events_as(
         slf: &Bound<'_, Self>,
