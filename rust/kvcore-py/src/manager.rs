@@ -359,10 +359,7 @@ impl Inner {
     ) -> PyResult<Option<Flat>> {
         // A kvcore Request keeps these four fields in its native base: read them directly.
         let request_core = self.cast.borrow(request)?;
-        let fields = match request_core {
-            Some(_) => Fields::Attrs(request),
-            None => self.fields(request),
-        };
+        let fields = self.fields(request);
         let id_obj;
         let id_key_obj;
         let (id, num_tokens, num_computed, status) = if let Some(c) = &request_core {

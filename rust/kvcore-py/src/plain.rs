@@ -19,6 +19,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyType};
 
 use crate::args::{count_of, request_id_of};
 use crate::errors::invalid;
+use crate::pool::get_opt;
 
 /// The attributes the manager reads from a request (besides `num_tokens`).
 fn field_names(py: Python<'_>) -> [&Bound<'_, PyString>; 13] {
@@ -160,11 +161,7 @@ impl<'a, 'py> Fields<'a, 'py> {
     /// The attribute `name`, or `None` when the request has none.
     pub(crate) fn opt(&self, name: &Bound<'py, PyString>) -> PyResult<Option<Bound<'py, PyAny>>> {
         match self {
-            Fields::Attrs(r) => match r.getattr(name) {
-                Ok(v) => Ok(Some(v)),
-                Err(e) if e.is_instance_of::<PyAttributeError>(r.py()) => Ok(None),
-                Err(e) => Err(e),
-            },
+            Fields::Attrs(r) => get_opt(r.py(), r, name),
             Fields::Plain(p) => p.dict.get_item(name),
         }
     }
