@@ -1048,7 +1048,9 @@ impl Coordinator {
         let steps = &steps[..n];
         // A count short of what the groups take (Mamba's) may pass the check after the frees
         // and still not fit: the general rules undo the frees then.
-        let pops: usize = steps.iter().map(|s| s.want.saturating_sub(s.have)).sum();
+        let pops = steps.iter().fold(0usize, |p, s| {
+            p.saturating_add(s.want.saturating_sub(s.have))
+        });
         if i64::try_from(pops).map_or(true, |p| p > need) && pops > pool.get_num_free_blocks() {
             return Ok(None);
         }

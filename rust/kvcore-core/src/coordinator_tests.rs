@@ -718,3 +718,58 @@ fn external_tokens_with_a_mamba_group_refuse_before_allocating() {
     }
     assert!(refused > 0);
 }
+
+/// Fuzz find (CI's 60-second `manager` run): on the running-request path two groups of
+/// one-token blocks each wanting about `usize::MAX` blocks overflowed the sum of their new
+/// blocks (a panic); it saturates now, so the step is refused and nothing changes.
+#[test]
+fn running_path_block_sum_saturates() {
+    let mut p = BlockPool::new(10, true, 1, false).unwrap();
+    let mut m = Coordinator::new(
+        &mut p,
+        CoordinatorConfig {
+            mode: Mode::Hybrid,
+            groups: vec![
+                group(Kind::Full, 1, 0, 1, true),
+                group(Kind::SlidingWindow { window: 4 }, 1, 1, 1, true),
+            ],
+            eagle_groups: vec![false, false],
+            attention_groups: vec![
+                AttentionGroup {
+                    group_ids: vec![0],
+                    use_eagle: false,
+                    is_full: true,
+                },
+                AttentionGroup {
+                    group_ids: vec![1],
+                    use_eagle: false,
+                    is_full: false,
+                },
+            ],
+            max_model_len: usize::MAX,
+            watermark_blocks: 0,
+            scheduler_block_size: 1,
+            retention_interval: None,
+        },
+    )
+    .unwrap();
+    let a = AllocateArgs {
+        num_new_tokens: 2,
+        new_computed_blocks: Some(&[Vec::new(), Vec::new()]),
+        ..Default::default()
+    };
+    assert!(alloc(&mut m, &mut p, req("r", 0, 2), a, &[h(1), h(2)]).is_some());
+    let free = p.all_free_block_ids();
+    let running = RequestView {
+        waiting_or_preempted: false,
+        ..req("r", 2, usize::MAX)
+    };
+    let a = AllocateArgs {
+        num_new_tokens: usize::MAX - 2,
+        delay_cache_blocks: true,
+        ..Default::default()
+    };
+    assert_eq!(try_alloc(&mut m, &mut p, running, a), Ok(None));
+    assert_eq!(p.all_free_block_ids(), free);
+    assert_eq!(m.groups[0].tables.get("r").map(|b| b.blocks.len()), Some(2));
+}
