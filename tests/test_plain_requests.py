@@ -234,3 +234,45 @@ def test_a_class_that_is_not_plain_is_refused(cls: type, message: str) -> None:
 
     with pytest.raises(InvalidArgumentError, match=message):
         Manager(config(False), max_model_len=64, scheduler_block_size=BLOCK, hash_block_size=BLOCK)
+
+
+class HashList(list[bytes]):
+    """A list subclass: its methods could run Python code while the core reads it."""
+
+
+def test_a_plain_requests_hash_list_is_read_only_when_plain() -> None:
+    """A plain request's ``block_hashes`` is read when the core needs it, without running
+    Python code: a tuple reads as the list does, anything else is refused before any change."""
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def manager() -> KVCacheManager:
+        return PlainManager(
+            config(False), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+        )
+
+    as_list, as_tuple = manager(), manager()
+    a: Any = PlainRequest("a", list(range(10)), hasher)
+    b: Any = PlainRequest("a", list(range(10)), hasher)
+    b.block_hashes = tuple(b.block_hashes)
+    got_a = as_list.allocate_slots(a, 10)
+    got_b = as_tuple.allocate_slots(b, 10)
+    assert got_a is not None and got_b is not None
+    assert got_a.get_block_ids() == got_b.get_block_ids()
+    assert as_list.block_pool.get_num_free_blocks() == as_tuple.block_pool.get_num_free_blocks()
+
+    mgr = manager()
+    free = mgr.block_pool.get_num_free_blocks()
+    c: Any = PlainRequest("c", list(range(10)), hasher)
+    c.block_hashes = HashList(c.block_hashes)
+    with pytest.raises(InvalidArgumentError, match="block_hashes must be a list or a tuple"):
+        mgr.allocate_slots(c, 10)
+    assert mgr.block_pool.get_num_free_blocks() == free
+    assert mgr.get_block_ids("c") == ([],)
+    # Running, in a decode step that fills no block, the list is not read at all.
+    d: Any = PlainRequest("d", list(range(10)), hasher)
+    assert mgr.allocate_slots(d, 10) is not None
+    d.num_computed_tokens = 10
+    d.status = RUNNING
+    d.block_hashes = HashList(d.block_hashes)
+    assert mgr.allocate_slots(d, 1) is not None
+    mgr.check_invariants()

@@ -417,7 +417,10 @@ impl Inner {
             if let Some(h) = hashes_obj.get() {
                 return Ok(h);
             }
-            let h = list_or_copy(&fields.get(intern!(py, "block_hashes"))?)?;
+            let h = match fields.plain_hashes() {
+                Some(h) => h?,
+                None => list_or_copy(&fields.get(intern!(py, "block_hashes"))?)?,
+            };
             Ok(hashes_obj.get_or_init(|| h))
         };
         let mut hash_len = || -> Result<usize, Error> {
@@ -446,9 +449,15 @@ impl Inner {
         };
         let mut meta =
             |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> { Ok(source.meta(req)?) };
-        // The hash list itself is read now; only its entries are read while the tables are
-        // held (indexing a list runs no Python code).
-        if request_core.is_none() && self.caching && !args.delay_cache_blocks {
+        // A duck-typed request's hash list is read now; only its entries are read while the
+        // tables are held (indexing a list runs no Python code). A plain request's is read
+        // from its dict when the core asks for it (most decode steps fill no block and never
+        // do), which runs no Python code either.
+        if matches!(fields, Fields::Attrs(_))
+            && request_core.is_none()
+            && self.caching
+            && !args.delay_cache_blocks
+        {
             fetch()?;
         }
         let mut core = self.lock(py)?;

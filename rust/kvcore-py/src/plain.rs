@@ -15,7 +15,7 @@ use pyo3::exceptions::PyAttributeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyDict, PyList, PyString, PyType};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use crate::args::{count_of, request_id_of};
 use crate::errors::invalid;
@@ -172,6 +172,27 @@ impl<'a, 'py> Fields<'a, 'py> {
             Fields::Attrs(r) => count_of(&r.getattr(intern!(r.py(), "num_tokens"))?, "num_tokens"),
             Fields::Plain(p) => Ok(p.tokens.len()),
         }
+    }
+
+    /// A plain request's `block_hashes` read without running Python code, so that it may be
+    /// read while the manager's state is held: the instance dict's list or tuple itself
+    /// (`InvalidArgumentError` for anything else; a plain class keeps a list there). `None`
+    /// for any other request, whose attribute is read before the state is held.
+    pub(crate) fn plain_hashes(&self) -> Option<PyResult<Bound<'py, PyAny>>> {
+        let Fields::Plain(p) = self else {
+            return None;
+        };
+        let py = p.tokens.py();
+        Some(self.get(intern!(py, "block_hashes")).and_then(|h| {
+            if h.is_exact_instance_of::<PyList>() || h.is_exact_instance_of::<PyTuple>() {
+                Ok(h)
+            } else {
+                Err(invalid(format!(
+                    "a plain request's block_hashes must be a list or a tuple, not {}",
+                    h.get_type().name()?
+                )))
+            }
+        }))
     }
 
     /// `request.request_id`, which must be a str.
