@@ -430,6 +430,7 @@ class RequestCore:
     request_id: str
     num_tokens: int
     num_computed_tokens: int
+    num_prompt_tokens: int
     status: Any
     block_hashes: list[bytes]
     @property

@@ -73,8 +73,8 @@ def _prompt_length(prompt_token_ids: Sequence[int] | None, prompt_embeds: Any) -
 class Request(RequestCore):
     """A generation request, as read by the KV cache manager and the block hasher.
 
-    The fields every scheduler step touches (id, token counts, status, the token ids, block
-    hashes) live in the native base ``kvcore._native.RequestCore``: the token ids are a native
+    The fields every scheduler step touches (id, token counts and the prompt length, status,
+    the token ids, block hashes) live in the native base ``kvcore._native.RequestCore``: the token ids are a native
     int64 buffer (token ids must be ints in that range), ``all_token_ids`` and
     ``output_token_ids`` are live read-only views of it, ``append_output_token_ids`` and block
     hashing run without Python ints, and kvcore's Rust manager reads the counts and a native
@@ -119,7 +119,6 @@ class Request(RequestCore):
         "mm_features",
         "num_output_placeholders",
         "num_preemptions",
-        "num_prompt_tokens",
         "pooling_params",
         "priority",
         "prompt_embeds",

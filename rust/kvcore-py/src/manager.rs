@@ -385,13 +385,13 @@ impl Inner {
             id_key_obj = id_key(&id_obj)?;
             (&*id_key_obj, num_tokens, num_computed, status)
         };
-        let num_prompt_tokens = if self.reads_prompt {
-            count_of(
+        let num_prompt_tokens = match (&request_core, self.reads_prompt) {
+            (_, false) => 0,
+            (Some(c), true) => count(c.num_prompt_tokens, "num_prompt_tokens")?,
+            (None, true) => count_of(
                 &fields.get(intern!(py, "num_prompt_tokens"))?,
                 "num_prompt_tokens",
-            )?
-        } else {
-            0
+            )?,
         };
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);

@@ -38,6 +38,9 @@ pub struct PyRequestCore {
     /// Tokens whose KV is computed; the scheduler maintains it.
     #[pyo3(get, set)]
     pub(crate) num_computed_tokens: i64,
+    /// The prompt's length (window groups and retention read it on every allocation).
+    #[pyo3(get, set)]
+    pub(crate) num_prompt_tokens: i64,
     /// `int(status)`, or -1 when the status is not an int.
     pub(crate) status_value: i64,
     /// Token count at which the next hash block is full.
@@ -93,6 +96,7 @@ impl PyRequestCore {
             id: String::new(),
             num_tokens: 0,
             num_computed_tokens: 0,
+            num_prompt_tokens: 0,
             status: py.None(),
             status_value: -1,
             tokens: Vec::new(),
