@@ -353,13 +353,19 @@ fn mamba_align_counts_may_be_negative() {
 }
 
 fn full_and(kind: Kind, p: &mut BlockPool, max_model_len: usize) -> Coordinator {
+    full_and_sized(kind, p, max_model_len, 16)
+}
+
+/// A hybrid coordinator of a full-attention group and a `kind` group, both of `bs`-token
+/// blocks (the scheduler block too).
+fn full_and_sized(kind: Kind, p: &mut BlockPool, max_model_len: usize, bs: usize) -> Coordinator {
     Coordinator::new(
         p,
         CoordinatorConfig {
             mode: Mode::Hybrid,
             groups: vec![
-                group(Kind::Full, 16, 0, 16, true),
-                group(kind, 16, 1, 16, true),
+                group(Kind::Full, bs, 0, bs, true),
+                group(kind, bs, 1, bs, true),
             ],
             eagle_groups: vec![false, false],
             attention_groups: vec![
@@ -376,7 +382,7 @@ fn full_and(kind: Kind, p: &mut BlockPool, max_model_len: usize) -> Coordinator 
             ],
             max_model_len,
             watermark_blocks: 0,
-            scheduler_block_size: 16,
+            scheduler_block_size: bs,
             retention_interval: None,
         },
     )
@@ -725,34 +731,7 @@ fn external_tokens_with_a_mamba_group_refuse_before_allocating() {
 #[test]
 fn running_path_block_sum_saturates() {
     let mut p = BlockPool::new(10, true, 1, false).unwrap();
-    let mut m = Coordinator::new(
-        &mut p,
-        CoordinatorConfig {
-            mode: Mode::Hybrid,
-            groups: vec![
-                group(Kind::Full, 1, 0, 1, true),
-                group(Kind::SlidingWindow { window: 4 }, 1, 1, 1, true),
-            ],
-            eagle_groups: vec![false, false],
-            attention_groups: vec![
-                AttentionGroup {
-                    group_ids: vec![0],
-                    use_eagle: false,
-                    is_full: true,
-                },
-                AttentionGroup {
-                    group_ids: vec![1],
-                    use_eagle: false,
-                    is_full: false,
-                },
-            ],
-            max_model_len: usize::MAX,
-            watermark_blocks: 0,
-            scheduler_block_size: 1,
-            retention_interval: None,
-        },
-    )
-    .unwrap();
+    let mut m = full_and_sized(Kind::SlidingWindow { window: 4 }, &mut p, usize::MAX, 1);
     let a = AllocateArgs {
         num_new_tokens: 2,
         new_computed_blocks: Some(&[Vec::new(), Vec::new()]),
