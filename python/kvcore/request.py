@@ -74,11 +74,11 @@ class Request(RequestCore):
     """A generation request, as read by the KV cache manager and the block hasher.
 
     The fields every scheduler step touches (id, token counts and the prompt length, status,
-    the token ids, block hashes) live in the native base ``kvcore._native.RequestCore``: the token ids are a native
-    int64 buffer (token ids must be ints in that range), ``all_token_ids`` and
-    ``output_token_ids`` are live read-only views of it, ``append_output_token_ids`` and block
-    hashing run without Python ints, and kvcore's Rust manager reads the counts and a native
-    copy of the hashes directly. Any object with the SPEC §17 attributes works with the manager
+    the token ids, block hashes) live in the native base ``kvcore._native.RequestCore``: the
+    token ids are a native int64 buffer (token ids must be ints in that range),
+    ``all_token_ids`` and ``output_token_ids`` are live read-only views of it,
+    ``append_output_token_ids`` and block hashing run without Python ints, and kvcore's Rust
+    manager reads the counts and a native copy of the hashes directly. Any object with the SPEC §17 attributes works with the manager
     as well.
 
     Attributes:

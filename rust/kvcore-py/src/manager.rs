@@ -29,7 +29,7 @@ use crate::pool::{
     extract_ids, list_or_copy, request_retention, stored_meta, to_hash, tokens_only_meta,
     PyBlockPool, PyRetention,
 };
-use crate::request::{prefetch_ahead, CoreCast};
+use crate::request::{prefetch_ahead, CoreCast, PyRequestCore};
 use crate::sync::{lock_cell, GilCell, Guarded};
 
 /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (SPEC REQ-3).
@@ -334,6 +334,23 @@ impl Inner {
             .collect()
     }
 
+    /// The request's `num_prompt_tokens` when the configuration reads it (R-SWA, the retention
+    /// masks), else 0: a kvcore `Request`'s from its native base.
+    fn num_prompt_tokens(
+        &self,
+        core: Option<&PyRequestCore>,
+        fields: &Fields<'_, '_>,
+    ) -> PyResult<usize> {
+        match (core, self.reads_prompt) {
+            (_, false) => Ok(0),
+            (Some(c), true) => count(c.num_prompt_tokens, "num_prompt_tokens"),
+            (None, true) => count_of(
+                &fields.get(intern!(fields.request().py(), "num_prompt_tokens"))?,
+                "num_prompt_tokens",
+            ),
+        }
+    }
+
     /// Applies the retention and pin deadlines due now (kvcore extension), before the
     /// manager is held: the clock is Python code. One load when no deadline exists.
     fn expire_due(&self, py: Python<'_>) -> PyResult<()> {
@@ -385,14 +402,7 @@ impl Inner {
             id_key_obj = id_key(&id_obj)?;
             (&*id_key_obj, num_tokens, num_computed, status)
         };
-        let num_prompt_tokens = match (&request_core, self.reads_prompt) {
-            (_, false) => 0,
-            (Some(c), true) => count(c.num_prompt_tokens, "num_prompt_tokens")?,
-            (None, true) => count_of(
-                &fields.get(intern!(py, "num_prompt_tokens"))?,
-                "num_prompt_tokens",
-            )?,
-        };
+        let num_prompt_tokens = self.num_prompt_tokens(request_core.as_deref(), &fields)?;
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
         let hints: &[HintCell] = match &request_core {
@@ -1118,14 +1128,8 @@ impl PyManagerCore {
         let fields = me.fields(request);
         let id_obj = fields.request_id()?;
         let id = id_key(&id_obj)?;
-        let num_prompt_tokens = if me.reads_prompt {
-            count_of(
-                &fields.get(intern!(py, "num_prompt_tokens"))?,
-                "num_prompt_tokens",
-            )?
-        } else {
-            0
-        };
+        let num_prompt_tokens =
+            me.num_prompt_tokens(me.cast.borrow(request)?.as_deref(), &fields)?;
         let hashes = list_or_copy(&fields.get(intern!(py, "block_hashes"))?)?;
         let len = hashes.len()?;
         let source = if me.events && me.cast.cast(request).is_none() {
