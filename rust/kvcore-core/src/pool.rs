@@ -307,9 +307,10 @@ impl BlockPool {
         block == 0
     }
 
-    /// The block's primary key and the number of tokens it covers, if it has one.
+    /// The block's primary key and the number of tokens it covers, if it has one (`None` for
+    /// an id outside the pool, which callers may hold from unchecked hits).
     pub fn primary_key(&self, block: BlockId) -> Option<(BlockKey, usize)> {
-        let slot = self.nodes[block as usize].primary_slot;
+        let slot = self.nodes.get(block as usize)?.primary_slot;
         (slot != NIL).then(|| {
             let p = self.primaries[slot as usize];
             (p.key, p.num_tokens as usize)

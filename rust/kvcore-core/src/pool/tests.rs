@@ -667,3 +667,13 @@ fn mamba_2_last_aligned_hit() {
     );
     assert_eq!(p.last_aligned_hit(4, &mut at, &[1], 16, 16).unwrap(), None);
 }
+
+/// Fuzz find (CI's 60-second `manager` run: a Mamba group's count read the primary key of a
+/// hit id outside the pool): such an id has no primary key, not a panic.
+#[test]
+fn primary_key_of_an_id_outside_the_pool_is_none() {
+    let p = BlockPool::new(8, true, 16, false).unwrap();
+    assert_eq!(p.primary_key(7), None);
+    assert_eq!(p.primary_key(8), None);
+    assert_eq!(p.primary_key(BlockId::MAX), None);
+}
