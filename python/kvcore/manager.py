@@ -294,12 +294,12 @@ class KVCacheManager(KVCacheManagerCore):
         self.prefix_cache_stats = self._stats_class()
         return stats
 
-    @_serialized
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Finds the request's longest cached prefix (MGR-6, MGR-7).
 
         The hit never covers the last token, which must be recomputed for its logits. Lookups
-        change no reference count. The search runs in the core; the stats are kept here.
+        change no reference count. The search runs in the core (which serialises its own
+        calls); the stats are kept here, under the manager's lock.
 
         Args:
             request: The request.
@@ -308,10 +308,17 @@ class KVCacheManager(KVCacheManagerCore):
             The hit blocks and the number of hit tokens.
         """
         found: tuple[KVCacheBlocks, int] = self._computed_blocks(request)
+        if self.log_stats:
+            self._record_lookup(request, found[1])
+        return found
+
+    @_serialized
+    def _record_lookup(self, request: Request, num_hits: int) -> None:
+        """Counts one lookup in the current stats (STAT-1), unless caching is off or the
+        request skips the prefix cache."""
         stats = self.prefix_cache_stats
         if stats is not None and self.enable_caching and not request.skip_reading_prefix_cache:
-            stats.record(request.num_tokens, found[1], request.num_preemptions > 0)
-        return found
+            stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
 
     @_serialized
     def evict_blocks(self, block_ids: set[int]) -> None:

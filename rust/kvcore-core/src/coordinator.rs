@@ -714,16 +714,20 @@ impl Coordinator {
         let hashes = RefCell::new(hashes);
         for i in 0..self.groups.len() {
             let n = self.cache_length(i, num_computed_tokens);
-            self.cache_group(pool, i, req, n, &hashes, meta)?;
+            let slot = self.groups[i].tables.slot_of(req.id);
+            self.cache_group(pool, i, slot, req, n, &hashes, meta)?;
         }
         Ok(())
     }
 
-    /// Caches group `i` up to `n` tokens, reading the hashes at its block size.
+    /// Caches group `i` up to `n` tokens, reading the hashes at its block size; `slot` is the
+    /// request's entry in the group's tables (`None`: it has none).
+    #[allow(clippy::too_many_arguments)]
     fn cache_group<E: From<PoolError>>(
         &mut self,
         pool: &mut BlockPool,
         i: usize,
+        slot: Option<u32>,
         req: &RequestView<'_>,
         n: usize,
         hashes: &RefCell<HashSource<'_, E>>,
@@ -739,9 +743,10 @@ impl Coordinator {
             let mut h = hashes.borrow_mut();
             (h.get)((j + 1) * k - 1)
         };
-        g.cache_blocks(
+        g.cache_blocks_in(
             pool,
             req.id,
+            slot,
             n,
             self.retention_interval,
             req.num_prompt_tokens,
@@ -1084,7 +1089,7 @@ impl Coordinator {
         if fills {
             let hashes = RefCell::new(hashes);
             for (i, step) in steps.iter().enumerate().filter(|(_, s)| s.fills) {
-                self.cache_group(pool, i, req, step.cache_len, &hashes, meta)?;
+                self.cache_group(pool, i, Some(step.slot), req, step.cache_len, &hashes, meta)?;
             }
         }
         Ok(Some(Some(out)))

@@ -763,6 +763,33 @@ impl SingleTypeManager {
         hashes: HashSource<'_, E>,
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<(), E> {
+        let slot = self.tables.slot_of(id);
+        self.cache_blocks_in(
+            pool,
+            id,
+            slot,
+            num_tokens,
+            retention_interval,
+            num_prompt_tokens,
+            hashes,
+            meta,
+        )
+    }
+
+    /// [`Self::cache_blocks`] for the request whose entry is in `slot` (`None`: it has none),
+    /// as [`BlockTables::resolve`] or [`BlockTables::slot_of`] found it.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn cache_blocks_in<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        slot: Option<u32>,
+        num_tokens: usize,
+        retention_interval: Option<usize>,
+        num_prompt_tokens: usize,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<(), E> {
         if self.kind == Kind::CrossAttention {
             return Err(PoolError::Invalid(
                 "cross-attention blocks are never cached; disable prefix caching".into(),
@@ -770,22 +797,25 @@ impl SingleTypeManager {
             .into());
         }
         let bs = self.block_size;
-        let cached = self.tables.get(id).and_then(|r| r.num_cached).unwrap_or(0);
+        let (cached, held) = slot.map_or((0, 0), |s| {
+            let e = self.tables.at_slot(s);
+            (e.num_cached.unwrap_or(0), e.blocks.len())
+        });
         let full = num_tokens / bs;
         if cached >= full {
             return Ok(());
         }
-        let held = self.blocks(id).len();
-        if held < full {
+        // `held >= full > 0` below: the request has an entry.
+        let (Some(slot), true) = (slot, held >= full) else {
             return Err(PoolError::MissingBlocks(format!(
                 "request {id} holds {held} blocks, fewer than the {full} full ones"
             ))
             .into());
-        }
+        };
         let mask =
             self.reachable_block_mask(cached, full, retention_interval, num_prompt_tokens)?;
         let gid = self.group_id();
-        let e = self.tables.entry(id);
+        let e = self.tables.at_slot_mut(slot);
         let new = &e.blocks[cached..full];
         pool.cache_full_blocks(new, cached, full, bs, gid, mask.as_deref(), hashes, meta)?;
         if matches!(self.kind, Kind::Mamba { .. }) {

@@ -13,7 +13,7 @@ use std::borrow::Cow;
 use pyo3::exceptions::PyOverflowError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::errors::type_error;
 
@@ -46,12 +46,52 @@ impl Int {
     }
 }
 
-/// Reads an int (or an object with `__index__`) exactly; see the module docs.
+/// An exact `int`'s value, read without running Python code or raising; `None` for any other
+/// object (an `int` subclass, `bool`, an object with `__index__`).
+#[inline]
+pub fn exact_int(obj: &Bound<'_, PyAny>) -> Option<Int> {
+    if !obj.is_exact_instance_of::<PyInt>() {
+        return None;
+    }
+    let mut overflow: std::os::raw::c_int = 0;
+    #[allow(unsafe_code)]
+    // SAFETY: `obj` is a live exact int and the GIL is held. For an int object the call only
+    // reads its digits: it sets no error and returns the value, or -1 with `overflow` set to
+    // the side it lies beyond when the value does not fit a C long long (64 bits on every
+    // platform CPython supports).
+    let value = unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(obj.as_ptr(), &mut overflow) };
+    Some(match overflow {
+        0 => Int::V(value),
+        o if o > 0 => Int::Above,
+        _ => Int::Below,
+    })
+}
+
+/// An exact `int` within `i64` ([`exact_int`]); `None` for a bigger int or any other object.
+#[inline]
+pub fn exact_i64(obj: &Bound<'_, PyAny>) -> Option<i64> {
+    match exact_int(obj)? {
+        Int::V(v) => Some(v),
+        _ => None,
+    }
+}
+
+/// Reads an int (or an object with `__index__`) exactly; see the module docs. An exact `int`
+/// is read directly ([`exact_int`]).
 ///
 /// # Errors
 /// `ArgumentTypeError` when `obj` is not an int.
 #[inline]
 pub fn int_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Int> {
+    if let Some(v) = exact_int(obj) {
+        return Ok(v);
+    }
+    int_of_slow(obj, what)
+}
+
+/// [`int_of`] for objects other than exact ints: pyo3's conversion (which calls `__index__`).
+#[inline(never)]
+fn int_of_slow(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Int> {
     match obj.extract::<i64>() {
         Ok(v) => Ok(Int::V(v)),
         Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
@@ -111,6 +151,31 @@ pub fn count_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     int_of(obj, what)?
         .count_capped(COUNT_CAP)
         .ok_or_else(|| crate::errors::invalid(format!("{what} must be non-negative, got {obj}")))
+}
+
+/// Counts from a list, a tuple (items read borrowed) or any iterable, each by [`count_of`].
+///
+/// # Errors
+/// As [`count_of`] for the first bad item; the iterable's own errors.
+pub fn counts_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<usize>> {
+    if let Ok(list) = obj.downcast_exact::<PyList>() {
+        // Indexed: a conversion runs no Python code for an exact int, but an `__index__`
+        // may change the list, so its length is read each time.
+        let mut out = Vec::with_capacity(list.len());
+        let mut i = 0;
+        while let Ok(item) = list.get_item(i) {
+            out.push(count_of(&item, what)?);
+            i += 1;
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.downcast_exact::<PyTuple>() {
+        return tuple
+            .iter_borrowed()
+            .map(|item| count_of(&item, what))
+            .collect();
+    }
+    obj.try_iter()?.map(|n| count_of(&n?, what)).collect()
 }
 
 /// A count argument read by [`count_of`] (usable with a default in a `#[pyo3(signature)]`).

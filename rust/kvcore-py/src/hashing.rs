@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
 use pyo3::Borrowed;
 
+use crate::args::exact_i64;
 use crate::request::PyRequestCore;
 
 /// Deepest nesting of tuples converted natively.
@@ -114,24 +115,6 @@ impl Converter {
     }
 }
 
-/// An exact int within int64 (a subclass or a bigger int: `None`).
-///
-/// One C call per int (pyo3's extraction adds a second call and an error check), as prompts
-/// are read token by token.
-#[inline]
-pub(crate) fn exact_int(item: &Bound<'_, PyAny>) -> Option<i64> {
-    if !item.is_exact_instance_of::<PyInt>() {
-        return None;
-    }
-    let mut overflow: std::os::raw::c_int = 0;
-    #[allow(unsafe_code)]
-    // SAFETY: `item` is a live exact int and the GIL is held. For an int object the call only
-    // reads its digits: it sets no error and returns the value, or -1 with `overflow` set
-    // when the value does not fit a C long long (64 bits on every platform CPython supports).
-    let value = unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(item.as_ptr(), &mut overflow) };
-    (overflow == 0).then_some(value)
-}
-
 /// Token ids of a tuple of exact ints, or `None` if any is not a 64-bit int.
 ///
 /// Items are read borrowed (no reference-count traffic): this loop is most of the cost of
@@ -139,7 +122,7 @@ pub(crate) fn exact_int(item: &Bound<'_, PyAny>) -> Option<i64> {
 pub(crate) fn tokens_of(tuple: &Bound<'_, PyTuple>) -> Option<Vec<i64>> {
     let mut out = Vec::with_capacity(tuple.len());
     for item in tuple.iter_borrowed() {
-        out.push(exact_int(&item)?);
+        out.push(exact_i64(&item)?);
     }
     Some(out)
 }
@@ -338,7 +321,7 @@ pub(crate) fn list_tokens(
         let item = unsafe {
             Borrowed::from_ptr_or_opt(py, pyo3::ffi::PyList_GetItem(all_tokens.as_ptr(), i as _))
         }?;
-        out.push(exact_int(&item)?);
+        out.push(exact_i64(&item)?);
     }
     Some(out)
 }

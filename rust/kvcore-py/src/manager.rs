@@ -22,7 +22,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
-use crate::args::{count_of, id_key, request_id_of, Count, Flag};
+use crate::args::{count_of, counts_of, id_key, request_id_of, Count, Flag};
 use crate::errors::{invalid, to_pyerr, Error};
 use crate::plain::{Fields, PlainClass};
 use crate::pool::{
@@ -803,10 +803,7 @@ impl PyManagerCore {
         let me = slf.get().me()?;
         me.expire_due(py)?;
         let (Count(lookahead), Flag(allow_none)) = (num_lookahead_tokens, allow_none);
-        let counts = num_new_tokens
-            .try_iter()?
-            .map(|n| count_of(&n?, "num_new_tokens"))
-            .collect::<PyResult<Vec<usize>>>()?;
+        let counts = counts_of(num_new_tokens, "num_new_tokens")?;
         if counts.contains(&0) {
             // SPEC ALLOC-1 for every request before any is allocated.
             return Err(invalid(
@@ -820,24 +817,38 @@ impl PyManagerCore {
                 counts.len()
             )));
         }
-        let out = PyList::empty(py);
-        let list = requests.downcast_exact::<PyList>().ok();
-        for (i, (request, n)) in requests.try_iter()?.zip(counts).enumerate() {
+        let mut out: Vec<PyObject> = Vec::with_capacity(counts.len());
+        let mut one = |request: &Bound<'py, PyAny>, n: usize, list| -> PyResult<bool> {
             let args = AllocateArgs {
                 num_new_tokens: n,
                 num_lookahead_tokens: lookahead,
                 has_scheduled_reqs: true,
                 ..AllocateArgs::default()
             };
-            match me.allocate(py, &request?, args, list.map(|l| (l, i)))? {
-                None => break,
-                Some(flat) if allow_none && flat.is_empty() => {
-                    out.append(py.None())?;
+            match me.allocate(py, request, args, list)? {
+                None => return Ok(false),
+                Some(flat) if allow_none && flat.is_empty() => out.push(py.None()),
+                Some(flat) => out.push(Inner::tuple_of(py, &flat.groups())?.into_any().unbind()),
+            }
+            Ok(true)
+        };
+        if let Ok(list) = requests.downcast_exact::<PyList>() {
+            // Indexed (the list's length is read again each time: a request's Python code
+            // may change it), with the following requests' state prefetched.
+            for (i, n) in counts.into_iter().enumerate() {
+                let Ok(request) = list.get_item(i) else { break };
+                if !one(&request, n, Some((list, i)))? {
+                    break;
                 }
-                Some(flat) => out.append(Inner::tuple_of(py, &flat.groups())?)?,
+            }
+        } else {
+            for (request, n) in requests.try_iter()?.zip(counts) {
+                if !one(&request?, n, None)? {
+                    break;
+                }
             }
         }
-        Ok(out)
+        PyList::new(py, out)
     }
 
     /// SPEC MGR-20. The request's `retention_priority` / `retention_ttl_s` (kvcore extension),

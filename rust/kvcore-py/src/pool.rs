@@ -28,24 +28,8 @@ use crate::sync::{lock, GilCell, Guarded};
 /// block (of any size: the reference has no such block), `ArgumentTypeError` for a non-int.
 #[inline]
 fn block_id_of(num_blocks: usize, item: &Bound<'_, PyAny>) -> PyResult<BlockId> {
-    if item.is_exact_instance_of::<PyInt>() {
-        #[allow(unsafe_code)]
-        // SAFETY: `item` is a live exact `int` and the GIL is held; `PyLong_AsLongLong` reads
-        // it without running Python code, and returns -1 with an OverflowError set for an int
-        // outside the i64 range, which is taken (cleared) below before any other API call.
-        let v = unsafe { pyo3::ffi::PyLong_AsLongLong(item.as_ptr()) };
-        if v >= 0 && (v as u64) < num_blocks as u64 {
-            return Ok(v as BlockId);
-        }
-        if v == -1 {
-            drop(PyErr::take(item.py()));
-        }
-    } else if let Ok(v) = item.extract::<i64>() {
-        if v >= 0 && (v as u64) < num_blocks as u64 {
-            return Ok(v as BlockId);
-        }
-    }
     match int_of(item, "a block id")? {
+        Int::V(v) if v >= 0 && (v as u64) < num_blocks as u64 => Ok(v as BlockId),
         Int::V(v) => Err(to_pyerr(PoolError::BlockOutOfRange {
             block_id: v,
             num_blocks,

@@ -18,10 +18,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyIterator, PyList, PySlice, PyString, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::args::id_key;
+use crate::args::{exact_i64, id_key};
 use crate::blocks::eq_result;
 use crate::errors::{error, Kind};
-use crate::hashing::{exact_int, list_tokens, py_hash, tokens_of, PyRequestBlockHasher};
+use crate::hashing::{list_tokens, py_hash, tokens_of, PyRequestBlockHasher};
 use crate::pool::to_hash;
 
 /// Native base of `kvcore.request.Request`; see the module docs.
@@ -349,7 +349,7 @@ impl PyRequestCore {
             (this.tokens.len(), this.exotic.len())
         };
         let need_hash = if let Ok(tok) = token_ids.downcast::<PyInt>() {
-            let exact = exact_int(tok.as_any());
+            let exact = exact_i64(tok.as_any());
             let value = match exact {
                 Some(v) => v,
                 None => int64_token(tok.as_any())?,
@@ -607,7 +607,7 @@ fn token_iter(obj: &Bound<'_, PyAny>) -> PyResult<TokenRead> {
     let mut exotic = Vec::new();
     for item in obj.try_iter()? {
         let item = item?;
-        match exact_int(&item) {
+        match exact_i64(&item) {
             Some(v) => out.push(v),
             None => {
                 let v = int64_token(&item)?;
