@@ -76,6 +76,28 @@ pub fn exact_i64(obj: &Bound<'_, PyAny>) -> Option<i64> {
     }
 }
 
+/// The values of a list whose items are all exact `int`s within `i64`, read borrowed (no
+/// reference counting); `None` as soon as one is anything else (the caller then reads the list
+/// item by item, with its errors).
+pub fn exact_i64s(list: &Bound<'_, PyList>) -> Option<Vec<i64>> {
+    let n = list.len();
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        #[allow(unsafe_code)]
+        // SAFETY: the GIL is held and `i < n == len(list)`: `PyList_GetItem` returns the
+        // list's own (borrowed) reference to item `i`. Nothing in this loop runs Python code
+        // or releases the GIL (`exact_i64` only reads an exact int's digits), so the list
+        // cannot change or drop the item while it is borrowed, and the borrow ends with the
+        // iteration.
+        let item = unsafe {
+            let ptr = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+            pyo3::Borrowed::from_ptr(list.py(), ptr)
+        };
+        out.push(exact_i64(&item)?);
+    }
+    Some(out)
+}
+
 /// Reads an int (or an object with `__index__`) exactly; see the module docs. An exact `int`
 /// is read directly ([`exact_int`]).
 ///
@@ -159,8 +181,17 @@ pub fn count_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 /// As [`count_of`] for the first bad item; the iterable's own errors.
 pub fn counts_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<usize>> {
     if let Ok(list) = obj.downcast_exact::<PyList>() {
-        // Indexed: a conversion runs no Python code for an exact int, but an `__index__`
-        // may change the list, so its length is read each time.
+        if let Some(values) = exact_i64s(list) {
+            if let Some(counts) = values
+                .iter()
+                .map(|&v| Int::V(v).count_capped(COUNT_CAP))
+                .collect::<Option<Vec<usize>>>()
+            {
+                return Ok(counts);
+            }
+        }
+        // Indexed, with the errors: an `__index__` may change the list, so its length is
+        // read each time.
         let mut out = Vec::with_capacity(list.len());
         let mut i = 0;
         while let Ok(item) = list.get_item(i) {

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PySlice, PyTuple};
 
-use crate::args::{group_id_of, int_of, Flag, Int};
+use crate::args::{exact_i64s, group_id_of, int_of, Flag, Int};
 use crate::errors::{error, invalid, to_pyerr, type_error, Error, Kind};
 use crate::events::{events_to_py, py_to_value, use_int_hashes, EventStyle};
 use crate::plain::Fields;
@@ -45,6 +45,15 @@ fn block_id_of(num_blocks: usize, item: &Bound<'_, PyAny>) -> PyResult<BlockId> 
 /// pool of `num_blocks` blocks.
 pub(crate) fn extract_ids(num_blocks: usize, obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     if let Ok(list) = obj.downcast::<PyList>() {
+        if let Some(ids) = exact_i64s(list).and_then(|values| {
+            values
+                .into_iter()
+                .map(|v| (v >= 0 && (v as u64) < num_blocks as u64).then_some(v as BlockId))
+                .collect::<Option<Vec<BlockId>>>()
+        }) {
+            return Ok(ids);
+        }
+        // With the errors (a bad id, a non-int).
         let mut out = Vec::with_capacity(list.len());
         for item in list.iter() {
             out.push(block_id_of(num_blocks, &item)?);
