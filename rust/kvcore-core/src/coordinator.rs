@@ -120,48 +120,84 @@ pub struct AllocateArgs<'a> {
 }
 
 /// The newly allocated blocks of one call: per group, a range of the request's table (held
-/// inline for up to four groups: a decode step allocates nothing on the heap for it).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NewBlocks {
-    inline: [(usize, usize); 4],
-    len: usize,
-    more: Vec<(usize, usize)>,
+/// inline for up to four groups whose bounds fit 32 bits, so that a decode step allocates
+/// nothing on the heap for it and the value moves in a few words).
+#[derive(Debug, Clone)]
+pub struct NewBlocks(Ranges);
+
+#[derive(Debug, Clone)]
+enum Ranges {
+    Inline { len: u8, ranges: [(u32, u32); 4] },
+    Heap(Vec<(usize, usize)>),
 }
+
+impl Default for NewBlocks {
+    fn default() -> Self {
+        Self(Ranges::Inline {
+            len: 0,
+            ranges: [(0, 0); 4],
+        })
+    }
+}
+
+impl PartialEq for NewBlocks {
+    fn eq(&self, other: &Self) -> bool {
+        self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for NewBlocks {}
 
 impl NewBlocks {
     #[inline]
     fn push(&mut self, r: Range<usize>) {
-        if self.len < self.inline.len() {
-            self.inline[self.len] = (r.start, r.end);
-        } else {
-            self.more.push((r.start, r.end));
+        if let Ranges::Inline { len, ranges } = &mut self.0 {
+            if let (Some(slot), Ok(a), Ok(b)) = (
+                ranges.get_mut(usize::from(*len)),
+                u32::try_from(r.start),
+                u32::try_from(r.end),
+            ) {
+                *slot = (a, b);
+                *len += 1;
+                return;
+            }
+            let mut heap: Vec<(usize, usize)> = self.iter().map(|r| (r.start, r.end)).collect();
+            heap.push((r.start, r.end));
+            self.0 = Ranges::Heap(heap);
+            return;
         }
-        self.len += 1;
+        if let Ranges::Heap(v) = &mut self.0 {
+            v.push((r.start, r.end));
+        }
     }
 
     /// Number of groups.
     pub fn len(&self) -> usize {
-        self.len
+        match &self.0 {
+            Ranges::Inline { len, .. } => usize::from(*len),
+            Ranges::Heap(v) => v.len(),
+        }
     }
 
     /// Whether there is no group.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     /// The range of group `i`.
     pub fn get(&self, i: usize) -> Option<Range<usize>> {
-        let (a, b) = if i < self.inline.len() {
-            (i < self.len).then(|| self.inline[i])?
-        } else {
-            *self.more.get(i - self.inline.len())?
-        };
-        Some(a..b)
+        match &self.0 {
+            Ranges::Inline { len, ranges } => (i < usize::from(*len)).then(|| {
+                let (a, b) = ranges[i];
+                a as usize..b as usize
+            }),
+            Ranges::Heap(v) => v.get(i).map(|&(a, b)| a..b),
+        }
     }
 
     /// The ranges in group order.
     pub fn iter(&self) -> impl Iterator<Item = Range<usize>> + '_ {
-        (0..self.len).filter_map(|i| self.get(i))
+        (0..self.len()).filter_map(|i| self.get(i))
     }
 }
 
@@ -1012,15 +1048,10 @@ impl Coordinator {
         let mut need = 0i64;
         let mut fills = false;
         for (i, (g, step)) in self.groups.iter().zip(&mut steps).enumerate() {
-            let cell = req.hints.get(i);
-            let hint = cell.and_then(HintCell::get);
-            let Some(slot) = g.tables.resolve(req.id, hint) else {
+            // A stale hint is refreshed now (the entry outlives this call).
+            let Some(slot) = g.tables.resolve_cell(req.id, req.hints.get(i)) else {
                 return Ok(None);
             };
-            // A stale hint is refreshed now (the entry outlives this call).
-            if let Some(cell) = cell {
-                g.tables.refresh(cell, slot);
-            }
             let e = g.tables.at_slot(slot);
             let Some(cached) = e.num_cached else {
                 return Ok(None);

@@ -752,3 +752,30 @@ fn running_path_block_sum_saturates() {
     assert_eq!(p.all_free_block_ids(), free);
     assert_eq!(m.groups[0].tables.get("r").map(|b| b.blocks.len()), Some(2));
 }
+
+/// `NewBlocks` keeps up to four 32-bit ranges inline and moves to the heap for a fifth group
+/// or a bound past `u32::MAX`, with the same ranges and equality either way.
+#[test]
+fn new_blocks_spill_keeps_every_range() {
+    let small: NewBlocks = (0..4).map(|i| i..i + 2).collect();
+    assert!(matches!(small.0, Ranges::Inline { len: 4, .. }));
+    assert_eq!(
+        small.iter().collect::<Vec<_>>(),
+        vec![0..2, 1..3, 2..4, 3..5]
+    );
+    let five: NewBlocks = (0..5).map(|i| i..i + 2).collect();
+    assert!(matches!(five.0, Ranges::Heap(_)));
+    assert_eq!(five.len(), 5);
+    assert_eq!(five.get(4), Some(4..6));
+    assert_eq!(five.get(5), None);
+    let big = u32::MAX as usize + 7;
+    let wide: NewBlocks = [0..1, big..big + 1].into_iter().collect();
+    assert!(matches!(wide.0, Ranges::Heap(_)));
+    assert_eq!(wide.iter().collect::<Vec<_>>(), vec![0..1, big..big + 1]);
+    // Equal ranges are equal NewBlocks whatever holds them.
+    let mut spilled = NewBlocks(Ranges::Heap(Vec::new()));
+    spilled.push(0..1);
+    assert_eq!(spilled, std::iter::once(0..1).collect::<NewBlocks>());
+    assert_ne!(spilled, NewBlocks::default());
+    assert!(NewBlocks::default().is_empty());
+}

@@ -777,7 +777,7 @@ impl SingleTypeManager {
     }
 
     /// [`Self::cache_blocks`] for the request whose entry is in `slot` (`None`: it has none),
-    /// as [`BlockTables::resolve`] or [`BlockTables::slot_of`] found it.
+    /// as [`BlockTables::resolve_cell`] or [`BlockTables::slot_of`] found it.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn cache_blocks_in<E: From<PoolError>>(
         &mut self,

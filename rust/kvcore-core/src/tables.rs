@@ -172,7 +172,7 @@ impl BlockTables {
         })
     }
 
-    /// Stores in `cell` the hint of the entry in `slot` (a slot [`Self::resolve`] or
+    /// Stores in `cell` the hint of the entry in `slot` (a slot [`Self::resolve_cell`] or
     /// [`Self::slot_of`] returned) unless it holds that hint already.
     #[inline]
     pub(crate) fn refresh(&self, cell: &HintCell, slot: u32) {
@@ -253,13 +253,21 @@ impl BlockTables {
         self.group_id
     }
 
-    /// The slot of the request's entry: through `hint` when it is valid, else by id.
+    /// The slot of the request's entry: through the hint in `cell` when it is valid, else by
+    /// id, and then the hint (if any) is refreshed.
     #[inline]
-    pub(crate) fn resolve(&self, id: &str, hint: Option<SlotHint>) -> Option<u32> {
-        self.hinted(hint).or_else(|| self.slot_of(id))
+    pub(crate) fn resolve_cell(&self, id: &str, cell: Option<&HintCell>) -> Option<u32> {
+        if let Some(slot) = self.hinted(cell.and_then(HintCell::get)) {
+            return Some(slot);
+        }
+        let slot = self.slot_of(id)?;
+        if let Some(cell) = cell {
+            self.refresh(cell, slot);
+        }
+        Some(slot)
     }
 
-    /// The entry in `slot` (a slot [`Self::resolve`] returned, with no removal since).
+    /// The entry in `slot` (a slot [`Self::resolve_cell`] returned, with no removal since).
     #[inline]
     pub(crate) fn at_slot(&self, slot: u32) -> &RequestBlocks {
         self.at(slot).expect("a resolved slot holds an entry")
@@ -303,7 +311,7 @@ impl BlockTables {
             .expect("a slot in the index holds an entry")
     }
 
-    /// The entry in `slot` (a slot [`Self::resolve`] or [`Self::entry_slot`] returned, with
+    /// The entry in `slot` (a slot [`Self::resolve_cell`] or [`Self::entry_slot`] returned, with
     /// no removal since), mutable.
     #[inline]
     pub(crate) fn at_slot_mut(&mut self, slot: u32) -> &mut RequestBlocks {
