@@ -76,19 +76,21 @@ pub fn exact_i64(obj: &Bound<'_, PyAny>) -> Option<i64> {
     }
 }
 
-/// The values of a list whose items are all exact `int`s within `i64`, read borrowed (no
-/// reference counting); `None` as soon as one is anything else (the caller then reads the list
-/// item by item, with its errors).
-pub fn exact_i64s(list: &Bound<'_, PyList>) -> Option<Vec<i64>> {
-    let n = list.len();
-    let mut out = Vec::with_capacity(n);
-    for i in 0..n {
+/// Items `start..end` of a list whose items there are all exact `int`s within `i64`, read
+/// borrowed (no reference counting); `None` when the range is past the list's end or as soon
+/// as an item is anything else (the caller then reads the list item by item, with its errors).
+pub fn exact_i64s(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
+    if start > end || end > list.len() {
+        return None;
+    }
+    let mut out = Vec::with_capacity(end - start);
+    for i in start..end {
         #[allow(unsafe_code)]
-        // SAFETY: the GIL is held and `i < n == len(list)`: `PyList_GetItem` returns the
-        // list's own (borrowed) reference to item `i`. Nothing in this loop runs Python code
-        // or releases the GIL (`exact_i64` only reads an exact int's digits), so the list
-        // cannot change or drop the item while it is borrowed, and the borrow ends with the
-        // iteration.
+        // SAFETY: the GIL is held and `i < end <= len(list)`: `PyList_GetItem` returns the
+        // list's own (borrowed) reference to item `i` without setting an error. Nothing in
+        // this loop runs Python code or releases the GIL (`exact_i64` only reads an exact
+        // int's digits), so the list cannot shrink or drop the item while it is borrowed, and
+        // the borrow ends with the iteration.
         let item = unsafe {
             let ptr = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
             pyo3::Borrowed::from_ptr(list.py(), ptr)
@@ -181,10 +183,10 @@ pub fn count_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 /// As [`count_of`] for the first bad item; the iterable's own errors.
 pub fn counts_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<usize>> {
     if let Ok(list) = obj.downcast_exact::<PyList>() {
-        if let Some(values) = exact_i64s(list) {
+        if let Some(values) = exact_i64s(list, 0, list.len()) {
             if let Some(counts) = values
-                .iter()
-                .map(|&v| Int::V(v).count_capped(COUNT_CAP))
+                .into_iter()
+                .map(|v| Int::V(v).count_capped(COUNT_CAP))
                 .collect::<Option<Vec<usize>>>()
             {
                 return Ok(counts);

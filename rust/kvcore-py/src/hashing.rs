@@ -11,9 +11,8 @@ use kvcore_core::value::Value;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
-use pyo3::Borrowed;
 
-use crate::args::exact_i64;
+use crate::args::{exact_i64, exact_i64s};
 use crate::request::PyRequestCore;
 
 /// Deepest nesting of tuples converted natively.
@@ -128,12 +127,12 @@ pub(crate) fn tokens_of(tuple: &Bound<'_, PyTuple>) -> Option<Vec<i64>> {
 }
 
 /// Token ids of a list or tuple of exact ints.
-fn tokens_any(obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
+pub(crate) fn tokens_any(obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
     if let Ok(tuple) = obj.downcast_exact::<PyTuple>() {
         return tokens_of(tuple);
     }
     let list = obj.downcast_exact::<PyList>().ok()?;
-    list_tokens(list, 0, list.len())
+    exact_i64s(list, 0, list.len())
 }
 
 pub(crate) fn py_hash<'py>(py: Python<'py>, h: &BlockHash) -> Bound<'py, PyBytes> {
@@ -300,32 +299,6 @@ fn may_have_extra_keys(request: &Bound<'_, PyAny>) -> PyResult<bool> {
     })
 }
 
-/// `all_tokens[start..end]` as 64-bit ints, or `None` if any is not an exact 64-bit int or
-/// the range is past the end. Items are read borrowed, as in [`tokens_of`].
-pub(crate) fn list_tokens(
-    all_tokens: &Bound<'_, PyList>,
-    start: usize,
-    end: usize,
-) -> Option<Vec<i64>> {
-    if start > end || end > all_tokens.len() {
-        return None;
-    }
-    let py = all_tokens.py();
-    let mut out = Vec::with_capacity(end - start);
-    for i in start..end {
-        #[allow(unsafe_code)]
-        // SAFETY: `all_tokens` is a live list, the GIL is held and `i` is in range (checked
-        // above; nothing here runs Python code, so the list cannot shrink), so PyList_GetItem
-        // returns a non-null borrowed reference without setting an error. The item lives while
-        // the list holds it, and is only read as an exact int before the next iteration.
-        let item = unsafe {
-            Borrowed::from_ptr_or_opt(py, pyo3::ffi::PyList_GetItem(all_tokens.as_ptr(), i as _))
-        }?;
-        out.push(exact_i64(&item)?);
-    }
-    Some(out)
-}
-
 /// The request block hasher of `kvcore.hashing.get_request_block_hasher` for the four native
 /// functions (SPEC RH-1): `hasher(request)` returns the hashes of the request's new full
 /// windows after its existing `block_hashes`.
@@ -412,7 +385,7 @@ impl PyRequestBlockHasher {
         if may_have_extra_keys(request)? {
             return Ok(None);
         }
-        let Some(tokens) = list_tokens(all_tokens, start, end) else {
+        let Some(tokens) = exact_i64s(all_tokens, start, end) else {
             return Ok(None);
         };
         let Some(parent) = Self::parent_from_list(hashes, done)? else {

@@ -24,16 +24,23 @@ use crate::plain::Fields;
 use crate::request::PyRequestCore;
 use crate::sync::{lock, GilCell, Guarded};
 
+/// `v` as the id of a block of a pool of `num_blocks` blocks, if it names one.
+#[inline]
+fn in_pool(num_blocks: usize, v: i64) -> Option<BlockId> {
+    (v >= 0 && (v as u64) < num_blocks as u64).then_some(v as BlockId)
+}
+
 /// One block id of a pool of `num_blocks` blocks: `BlockIdError` for an int that names no
 /// block (of any size: the reference has no such block), `ArgumentTypeError` for a non-int.
 #[inline]
 fn block_id_of(num_blocks: usize, item: &Bound<'_, PyAny>) -> PyResult<BlockId> {
     match int_of(item, "a block id")? {
-        Int::V(v) if v >= 0 && (v as u64) < num_blocks as u64 => Ok(v as BlockId),
-        Int::V(v) => Err(to_pyerr(PoolError::BlockOutOfRange {
-            block_id: v,
-            num_blocks,
-        })),
+        Int::V(v) => in_pool(num_blocks, v).ok_or_else(|| {
+            to_pyerr(PoolError::BlockOutOfRange {
+                block_id: v,
+                num_blocks,
+            })
+        }),
         _ => Err(error(
             Kind::BlockId,
             format!("block id {item} is out of range for a pool of {num_blocks} blocks"),
@@ -45,10 +52,10 @@ fn block_id_of(num_blocks: usize, item: &Bound<'_, PyAny>) -> PyResult<BlockId> 
 /// pool of `num_blocks` blocks.
 pub(crate) fn extract_ids(num_blocks: usize, obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     if let Ok(list) = obj.downcast::<PyList>() {
-        if let Some(ids) = exact_i64s(list).and_then(|values| {
+        if let Some(ids) = exact_i64s(list, 0, list.len()).and_then(|values| {
             values
                 .into_iter()
-                .map(|v| (v >= 0 && (v as u64) < num_blocks as u64).then_some(v as BlockId))
+                .map(|v| in_pool(num_blocks, v))
                 .collect::<Option<Vec<BlockId>>>()
         }) {
             return Ok(ids);

@@ -21,7 +21,7 @@ use pyo3::{PyTraverseError, PyVisit};
 use crate::args::{exact_i64, id_key};
 use crate::blocks::eq_result;
 use crate::errors::{error, Kind};
-use crate::hashing::{list_tokens, py_hash, tokens_of, PyRequestBlockHasher};
+use crate::hashing::{py_hash, tokens_any, PyRequestBlockHasher};
 use crate::pool::to_hash;
 
 /// Native base of `kvcore.request.Request`; see the module docs.
@@ -588,14 +588,7 @@ type TokenRead = (Vec<i64>, Vec<(usize, PyObject)>);
 fn token_vec(obj: &Bound<'_, PyAny>) -> PyResult<TokenRead> {
     // Lists and tuples of exact int64 ints are read borrowed; anything else (an int subclass,
     // another object, another iterable) goes through the iterator.
-    let fast = if let Ok(list) = obj.downcast_exact::<PyList>() {
-        list_tokens(list, 0, list.len())
-    } else if let Ok(tuple) = obj.downcast_exact::<PyTuple>() {
-        tokens_of(tuple)
-    } else {
-        None
-    };
-    match fast {
+    match tokens_any(obj) {
         Some(tokens) => Ok((tokens, Vec::new())),
         None => token_iter(obj),
     }
