@@ -119,6 +119,20 @@ pub struct AllocateArgs<'a> {
     pub has_scheduled_reqs: bool,
 }
 
+impl AllocateArgs<'_> {
+    /// A scheduled request's call that names only its token counts (the scheduler's
+    /// `allocate_slots(request, n, num_lookahead_tokens=k)` for a running request): every
+    /// other argument at its default.
+    pub fn tokens(num_new_tokens: usize, num_lookahead_tokens: usize) -> Self {
+        Self {
+            num_new_tokens,
+            num_lookahead_tokens,
+            has_scheduled_reqs: true,
+            ..Self::default()
+        }
+    }
+}
+
 /// The newly allocated blocks of one call: per group, a range of the request's table (held
 /// inline for up to four groups whose bounds fit 32 bits, so that a decode step allocates
 /// nothing on the heap for it and the value moves in a few words).

@@ -517,6 +517,21 @@ impl Inner {
         Ok(Some(Flat::of(ranges.len(), groups)))
     }
 
+    /// `allocate_slots` with parsed arguments, as the Python caller sees it: the new blocks as
+    /// a `KVCacheBlocks` (the shared empty one when there are none), or None.
+    fn allocate_call(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        args: AllocateArgs<'_>,
+    ) -> PyResult<Option<PyObject>> {
+        self.expire_due(py)?;
+        match self.allocate(py, request, args, None)? {
+            None => Ok(None),
+            Some(flat) => Ok(Some(self.make_flat(py, &flat)?)),
+        }
+    }
+
     /// The request's hashes for a lookup: its native mirror, or its list read lazily.
     fn lookup<'py>(
         &self,
@@ -756,7 +771,6 @@ impl PyManagerCore {
         has_scheduled_reqs: Flag,
     ) -> PyResult<Option<PyObject>> {
         let me = slf.get().me()?;
-        me.expire_due(py)?;
         // Hits: None or the shared empty instance mean "no hits object" (ALLOC-8).
         let mut hit_ids: Vec<Vec<BlockId>> = Vec::new();
         let mut hits_given = false;
@@ -779,10 +793,7 @@ impl PyManagerCore {
             reserved_blocks: reserved_blocks.0 as i64,
             has_scheduled_reqs: has_scheduled_reqs.0,
         };
-        match me.allocate(py, request, args, None)? {
-            None => Ok(None),
-            Some(flat) => Ok(Some(me.make_flat(py, &flat)?)),
-        }
+        me.allocate_call(py, request, args)
     }
 
     /// `allocate_slots(request, n, num_lookahead_tokens=num_lookahead_tokens)` for each pair
@@ -819,13 +830,7 @@ impl PyManagerCore {
         }
         let mut out: Vec<PyObject> = Vec::with_capacity(counts.len());
         let mut one = |request: &Bound<'py, PyAny>, n: usize, list| -> PyResult<bool> {
-            let args = AllocateArgs {
-                num_new_tokens: n,
-                num_lookahead_tokens: lookahead,
-                has_scheduled_reqs: true,
-                ..AllocateArgs::default()
-            };
-            match me.allocate(py, request, args, list)? {
+            match me.allocate(py, request, AllocateArgs::tokens(n, lookahead), list)? {
                 None => return Ok(false),
                 Some(flat) if allow_none && flat.is_empty() => out.push(py.None()),
                 Some(flat) => out.push(Inner::tuple_of(py, &flat.groups())?.into_any().unbind()),
@@ -1322,3 +1327,215 @@ fn group_of(
         .get(group)
         .ok_or_else(|| invalid(format!("no group {group}")))
 }
+
+/// The class's `allocate_slots` entry: a `METH_FASTCALL | METH_KEYWORDS` method installed over
+/// the one pyo3 generates (see [`install_allocate_slots`]), which it keeps and calls for every
+/// call but the scheduler's per-request shape.
+///
+/// vLLM's scheduler calls `allocate_slots(request, n, num_lookahead_tokens=k)` once per running
+/// request and step. pyo3's generic parser matches the keyword against eleven parameter names
+/// by string and fills nine defaults: about 500 instructions of a decode call's 2,800. This
+/// entry recognises exactly that shape (two positional arguments, no keyword or the interned
+/// `num_lookahead_tokens`, exact non-negative ints) and calls the same body with
+/// [`AllocateArgs::tokens`]; anything else (other keywords, other types, a count pyo3 would
+/// refuse) goes to pyo3's method unchanged, which parses it and raises its errors.
+mod fast_entry {
+    use std::ffi::CString;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    use pyo3::exceptions::PyTypeError;
+    use pyo3::ffi;
+    use pyo3::intern;
+    use pyo3::panic::PanicException;
+    use pyo3::prelude::*;
+    use pyo3::sync::GILOnceCell;
+    use pyo3::types::{PyDict, PyString, PyTuple};
+
+    use super::{AllocateArgs, PyManagerCore};
+    use crate::args::{exact_int, COUNT_CAP};
+
+    /// pyo3's `allocate_slots` method descriptor, which parses every other call shape.
+    static GENERAL: GILOnceCell<PyObject> = GILOnceCell::new();
+
+    /// Replaces `KVCacheManagerCore.allocate_slots` by the fast entry, with the same name,
+    /// signature text and doc.
+    pub(crate) fn install(py: Python<'_>) -> PyResult<()> {
+        let ty = py.get_type::<PyManagerCore>();
+        let name = intern!(py, "allocate_slots");
+        let general = ty.getattr(name)?;
+        let text_signature: String = general.getattr("__text_signature__")?.extract()?;
+        let doc: String = general.getattr("__doc__")?.extract()?;
+        let doc = CString::new(format!("allocate_slots{text_signature}\n--\n\n{doc}"))
+            .map_err(|e| PyTypeError::new_err(e.to_string()))?;
+        GENERAL
+            .set(py, general.unbind())
+            .map_err(|_| PyTypeError::new_err("allocate_slots is installed once"))?;
+        // The method table entry must outlive the type: it is made once per process and kept.
+        let def: &'static mut ffi::PyMethodDef = Box::leak(Box::new(ffi::PyMethodDef {
+            ml_name: c"allocate_slots".as_ptr(),
+            ml_meth: ffi::PyMethodDefPointer {
+                PyCFunctionFastWithKeywords: allocate_slots,
+            },
+            ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+            ml_doc: doc.into_raw(),
+        }));
+        #[allow(unsafe_code)]
+        // SAFETY: the GIL is held; `ty` is a live type object and `def` a valid method entry
+        // with 'static lifetime (leaked above, its name and doc NUL-terminated and never
+        // freed). `PyDescr_NewMethod` returns a new reference or NULL with an exception set.
+        let descr = unsafe {
+            Bound::from_owned_ptr_or_err(py, ffi::PyDescr_NewMethod(ty.as_type_ptr(), def))
+        }?;
+        ty.setattr(name, descr)
+    }
+
+    /// The counts of the fast shape, or `None` when the call is anything else.
+    fn fast_counts(
+        py: Python<'_>,
+        args: &[*mut ffi::PyObject],
+        nargs: usize,
+        kwnames: *mut ffi::PyObject,
+    ) -> Option<(usize, usize)> {
+        if nargs != 2 {
+            return None;
+        }
+        let count = |ptr: *mut ffi::PyObject| -> Option<usize> {
+            #[allow(unsafe_code)]
+            // SAFETY: `ptr` is one of the call's arguments, which the caller keeps alive for
+            // the duration of the call; it is only borrowed here.
+            let obj = unsafe { pyo3::Borrowed::from_ptr(py, ptr) };
+            // `count_of`'s rule for an exact int, read once.
+            exact_int(&obj)?.count_capped(COUNT_CAP)
+        };
+        let lookahead = if kwnames.is_null() {
+            0
+        } else {
+            #[allow(unsafe_code)]
+            // SAFETY: for a METH_FASTCALL | METH_KEYWORDS method a non-NULL `kwnames` is a
+            // tuple of str, and the caller keeps it alive for the duration of the call.
+            let names = unsafe { pyo3::Borrowed::from_ptr(py, kwnames) };
+            let names = names.downcast::<PyTuple>().ok()?;
+            if names.len() != 1
+                || !names
+                    .get_borrowed_item(0)
+                    .ok()?
+                    .is(intern!(py, "num_lookahead_tokens"))
+            {
+                return None;
+            }
+            count(*args.get(2)?)?
+        };
+        Some((count(args[1])?, lookahead))
+    }
+
+    /// The call through pyo3's method: `general(self, *args, **kwargs)`.
+    fn general<'py>(
+        slf: &Bound<'py, PyAny>,
+        args: &[*mut ffi::PyObject],
+        nargs: usize,
+        kwnames: *mut ffi::PyObject,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        #[allow(unsafe_code)]
+        // SAFETY: every pointer in `args` is an argument of the current call (alive for its
+        // duration); each is borrowed and then given its own reference by the tuple or dict.
+        let borrow = |ptr: *mut ffi::PyObject| unsafe { pyo3::Borrowed::from_ptr(py, ptr) };
+        let positional = std::iter::once(slf.clone())
+            .chain(args[..nargs].iter().map(|&p| borrow(p).to_owned()))
+            .collect::<Vec<_>>();
+        let kwargs = PyDict::new(py);
+        if !kwnames.is_null() {
+            let names = borrow(kwnames);
+            let names = names.downcast::<PyTuple>()?;
+            for (name, &value) in names.iter().zip(&args[nargs..]) {
+                kwargs.set_item(name.downcast_into::<PyString>()?, borrow(value))?;
+            }
+        }
+        let general = GENERAL
+            .get(py)
+            .ok_or_else(|| PyTypeError::new_err("allocate_slots is not installed"))?;
+        general
+            .bind(py)
+            .call(PyTuple::new(py, positional)?, Some(&kwargs))
+    }
+
+    /// The method body: the fast shape straight to [`super::Inner::allocate_call`], anything
+    /// else through pyo3's method.
+    fn call<'py>(
+        slf: &Bound<'py, PyAny>,
+        args: &[*mut ffi::PyObject],
+        nargs: usize,
+        kwnames: *mut ffi::PyObject,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let Some((n, lookahead)) = fast_counts(py, args, nargs, kwnames) else {
+            return general(slf, args, nargs, kwnames);
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: a method descriptor checks that `self` is an instance of the class it was
+        // made for (KVCacheManagerCore) before it calls the method.
+        let me = unsafe { slf.downcast_unchecked::<PyManagerCore>() };
+        #[allow(unsafe_code)]
+        // SAFETY: `args[0]` is the call's first argument (`fast_counts` saw two positional
+        // arguments), alive for the duration of the call.
+        let request = unsafe { pyo3::Borrowed::from_ptr(py, args[0]) };
+        let out = me
+            .get()
+            .me()?
+            .allocate_call(py, &request, AllocateArgs::tokens(n, lookahead))?;
+        Ok(match out {
+            Some(blocks) => blocks.into_bound(py),
+            None => py.None().into_bound(py),
+        })
+    }
+
+    /// The C entry point.
+    ///
+    /// # Safety
+    /// Called by CPython's method descriptor with the GIL held: `slf` an instance of the
+    /// class, `args` pointing to `nargs` positional arguments followed by one value per name in
+    /// `kwnames` (NULL when there are none), all alive for the duration of the call.
+    #[allow(unsafe_code)]
+    unsafe extern "C" fn allocate_slots(
+        slf: *mut ffi::PyObject,
+        args: *const *mut ffi::PyObject,
+        nargs: ffi::Py_ssize_t,
+        kwnames: *mut ffi::PyObject,
+    ) -> *mut ffi::PyObject {
+        // SAFETY: CPython calls a C method with the GIL held.
+        let py = unsafe { Python::assume_gil_acquired() };
+        let nargs = usize::try_from(nargs).unwrap_or(0);
+        let nkw = if kwnames.is_null() {
+            0
+        } else {
+            // SAFETY: a non-NULL `kwnames` of a fastcall method is a live tuple.
+            usize::try_from(unsafe { ffi::PyTuple_Size(kwnames) }).unwrap_or(0)
+        };
+        let args: &[*mut ffi::PyObject] = if nargs + nkw == 0 {
+            &[]
+        } else {
+            // SAFETY: `args` points to `nargs` positional and `nkw` keyword values.
+            unsafe { std::slice::from_raw_parts(args, nargs + nkw) }
+        };
+        // SAFETY: `slf` is the live instance the method is called on.
+        let slf = unsafe { Bound::from_borrowed_ptr(py, slf) };
+        let result = catch_unwind(AssertUnwindSafe(|| call(&slf, args, nargs, kwnames)))
+            .unwrap_or_else(|payload| {
+                let msg = payload
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                    .unwrap_or_else(|| "panic in allocate_slots".to_owned());
+                Err(PanicException::new_err(msg))
+            });
+        match result {
+            Ok(obj) => obj.into_ptr(),
+            Err(err) => {
+                err.restore(py);
+                std::ptr::null_mut()
+            }
+        }
+    }
+}
+
+pub(crate) use fast_entry::install as install_allocate_slots;

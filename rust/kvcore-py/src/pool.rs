@@ -221,7 +221,11 @@ pub(crate) fn tokens_only_meta(
     req: &MetaRequest<'_>,
 ) -> PyResult<StoredMeta> {
     let (start, end) = req.token_range;
-    let token_ids: Vec<i64> = tokens.get_slice(start, end).extract()?;
+    // Exact ints are read borrowed in one pass; anything else through pyo3's conversion.
+    let token_ids: Vec<i64> = match exact_i64s(tokens, start, end) {
+        Some(ids) => ids,
+        None => tokens.get_slice(start, end).extract()?,
+    };
     Ok(tokens_meta(token_ids, req))
 }
 
