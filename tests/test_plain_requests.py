@@ -276,3 +276,70 @@ def test_a_plain_requests_hash_list_is_read_only_when_plain() -> None:
     d.block_hashes = HashList(d.block_hashes)
     assert mgr.allocate_slots(d, 1) is not None
     mgr.check_invariants()
+
+
+def test_plain_request_hints_follow_their_ids() -> None:
+    """The manager finds a plain request's tables by the address of its id str (an entry that
+    keeps the str alive, with the request's slot hints). An id replaced by an equal str, an id
+    reused after a free, and frees in any order give what attribute reads give; freed
+    requests leave no entry (but one freed under another str: swept later)."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def scenario(mgr: KVCacheManager, cls: type[PlainRequest]) -> list[Any]:
+        log: list[Any] = []
+        a: Any = cls("".join(["a", "1"]), list(range(6)), hasher)
+        b: Any = cls("b", list(range(10, 19)), hasher)
+        for req in (a, b):
+            log.append(outcome(mgr.allocate_slots, req, req.num_tokens))
+            req.num_computed_tokens = req.num_tokens
+            req.status = RUNNING
+            req.append(5)
+        a.request_id = "".join(["a", "1"])  # equal, another str object
+        for _ in range(6):
+            for req in (a, b):
+                log.append(outcome(mgr.allocate_slots, req, 1, num_lookahead_tokens=1))
+                req.num_computed_tokens += 1
+                req.append(6)
+        log.append((mgr.get_block_ids("a1"), mgr.get_block_ids("b")))
+        mgr.free(a)
+        again: Any = cls("a1", list(range(30, 37)), hasher)  # the id reused
+        log.append(outcome(mgr.allocate_slots, again, again.num_tokens))
+        log.append(outcome(mgr.allocate_slots, b, 1))
+        log.append((mgr.get_block_ids("a1"), mgr.get_block_ids("b")))
+        mgr.free(b)
+        mgr.free(again)
+        log.append(mgr.block_pool.get_num_free_blocks())
+        return log
+
+    def manager() -> KVCacheManager:
+        return PlainManager(
+            config(True), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+        )
+
+    plain_mgr = manager()
+    assert scenario(plain_mgr, PlainRequest) == scenario(manager(), DuckRequest)
+    # Every request was freed; only a1's first id str, replaced before its free, keeps its
+    # entry until a sweep (test_plain_request_hints_stay_bounded).
+    assert plain_mgr._num_plain_hints == 1
+
+
+def test_plain_request_hints_stay_bounded() -> None:
+    """Entries whose request is gone without its own id str being freed (freed under an equal
+    str) are swept as the map grows: the map stays within a small multiple of the live ones."""
+    mgr = PlainManager(
+        config(False),
+        max_model_len=64,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_caching=False,
+    )
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    for i in range(3000):
+        req: Any = PlainRequest(f"q{i}", [1, 2, 3], hasher)
+        assert mgr.allocate_slots(req, 3) is not None
+        req.request_id = "".join(["q", str(i)])  # the free names an equal str: no entry goes
+        mgr.free(req)
+    assert 0 < mgr._num_plain_hints <= 2048
+    assert mgr.block_pool.get_num_free_blocks() == 47

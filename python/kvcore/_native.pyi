@@ -288,6 +288,9 @@ class KVCacheManagerCore:
         plain_request: tuple[type, str] | None = None,
     ) -> None: ...
     def _computed_blocks(self, request: _ManagedRequest) -> tuple[KVCacheBlocks, int]: ...
+    @property
+    def _num_plain_hints(self) -> int:
+        """How many plain requests' table keys and slot hints the manager keeps."""
     def allocate_slots(
         self,
         request: _ManagedRequest,

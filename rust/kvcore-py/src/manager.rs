@@ -24,7 +24,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use crate::args::{count_of, counts_of, id_key, request_id_of, Count, Flag};
 use crate::errors::{invalid, to_pyerr, Error};
-use crate::plain::{Fields, PlainClass};
+use crate::plain::{Fields, PlainClass, PlainHints};
 use crate::pool::{
     extract_ids, list_or_copy, request_retention, stored_meta, to_hash, tokens_only_meta,
     PyBlockPool, PyRetention,
@@ -243,6 +243,8 @@ struct Inner {
     clip: Vec<bool>,
     /// The request class read from its instance dict ([`crate::plain`]), if one is registered.
     plain: Option<PlainClass>,
+    /// Table keys and slot hints of that class's requests.
+    plain_hints: PlainHints,
 }
 
 /// Where a `BlockStored` event's request fields come from.
@@ -379,6 +381,7 @@ impl Inner {
         let fields = self.fields(request);
         let id_obj;
         let id_key_obj;
+        let mut plain_entry = None;
         let (id, num_tokens, num_computed, status) = if let Some(c) = &request_core {
             (
                 c.id.as_str(),
@@ -399,15 +402,23 @@ impl Inner {
             } else {
                 0
             };
-            id_key_obj = id_key(&id_obj)?;
-            (&*id_key_obj, num_tokens, num_computed, status)
+            // A plain request's key and hints are kept by the address of its id str.
+            let key: &str = if matches!(fields, Fields::Plain(_)) {
+                plain_entry = Some(self.plain_hints.entry(&id_obj)?);
+                plain_entry.as_deref().map_or("", |e| e.key.as_str())
+            } else {
+                id_key_obj = id_key(&id_obj)?;
+                &id_key_obj
+            };
+            (key, num_tokens, num_computed, status)
         };
         let num_prompt_tokens = self.num_prompt_tokens(request_core.as_deref(), &fields)?;
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
-        let hints: &[HintCell] = match &request_core {
-            Some(c) => &c.hints[..self.num_groups.min(c.hints.len())],
-            None => &[],
+        let hints: &[HintCell] = match (&request_core, &plain_entry) {
+            (Some(c), _) => &c.hints[..self.num_groups.min(c.hints.len())],
+            (None, Some(e)) => &e.hints,
+            (None, None) => &[],
         };
         let view = RequestView {
             id,
@@ -708,6 +719,7 @@ impl PyManagerCore {
             reads_prompt,
             clip,
             plain,
+            plain_hints: PlainHints::new(num_groups),
         };
         self.inner
             .set(inner)
@@ -1293,6 +1305,12 @@ impl PyManagerCore {
     fn num_groups(&self) -> PyResult<usize> {
         Ok(self.me()?.num_groups)
     }
+
+    /// How many plain requests' table keys and hints the manager keeps ([`PlainHints`]).
+    #[getter]
+    fn _num_plain_hints(&self) -> PyResult<usize> {
+        Ok(self.me()?.plain_hints.len())
+    }
 }
 
 impl PyManagerCore {
@@ -1310,6 +1328,7 @@ impl PyManagerCore {
             0.0
         };
         let key = id_key(id)?;
+        me.plain_hints.forget(id);
         let mut core = me.lock(py)?;
         let mut pool = lock_cell(py, me.pool(py).get().cell(), "pool")?;
         core.free(pool.core_mut(), &key, retention, now)

@@ -267,3 +267,90 @@ impl<'a, 'py> Fields<'a, 'py> {
         }
     }
 }
+
+/// A plain request's table key and slot hints, found by the address of its `request_id` str.
+///
+/// kvcore's own `Request` keeps its table slots in its native base, so a decode call finds its
+/// tables without hashing its id; a plain request has no native part, so the manager keeps
+/// the same for it here. An entry holds a reference to the id str, so that while the entry
+/// lives no other object can have that address: a request whose `request_id` is that str has
+/// exactly that id. The hints are only hints (the tables check a hint's slot generation), so a
+/// stale entry answers nothing wrong; entries go when their request is freed, and those whose
+/// id str nothing else holds are dropped when the map has grown (see [`PlainHints::entry`]).
+pub(crate) struct PlainHints {
+    map: std::sync::Mutex<hashbrown::HashMap<usize, std::sync::Arc<PlainEntry>>>,
+    /// The map's size that triggers the next sweep.
+    sweep_at: std::sync::atomic::AtomicUsize,
+    num_groups: usize,
+}
+
+/// One plain request's id (kept alive), table key and slot hints.
+pub(crate) struct PlainEntry {
+    id: Py<PyString>,
+    /// The id's table key (`crate::args::id_key`).
+    pub(crate) key: String,
+    /// One hint cell per group.
+    pub(crate) hints: Box<[kvcore_core::tables::HintCell]>,
+}
+
+/// The smallest map size that triggers a sweep.
+const SWEEP_MIN: usize = 1024;
+
+impl PlainHints {
+    /// An empty map for a manager of `num_groups` groups.
+    pub(crate) fn new(num_groups: usize) -> Self {
+        Self {
+            map: std::sync::Mutex::default(),
+            sweep_at: std::sync::atomic::AtomicUsize::new(SWEEP_MIN),
+            num_groups,
+        }
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, hashbrown::HashMap<usize, std::sync::Arc<PlainEntry>>> {
+        // A panic while the map was held leaves it consistent (every update is one call).
+        self.map
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The entry of the request whose id is `id`, made on first use.
+    ///
+    /// When the map has reached its sweep size, entries whose id str only the map still holds
+    /// (their request is gone) are dropped first, and the next sweep size is twice what is
+    /// left (at least [`SWEEP_MIN`]): the sweeps cost O(1) per entry made.
+    pub(crate) fn entry(&self, id: &Bound<'_, PyString>) -> PyResult<std::sync::Arc<PlainEntry>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let addr = id.as_ptr() as usize;
+        let mut map = self.lock();
+        if let Some(e) = map.get(&addr) {
+            return Ok(e.clone());
+        }
+        let key = crate::args::id_key(id)?.into_owned();
+        if map.len() >= self.sweep_at.load(Relaxed) {
+            let py = id.py();
+            map.retain(|_, e| e.id.get_refcnt(py) > 1);
+            self.sweep_at.store((2 * map.len()).max(SWEEP_MIN), Relaxed);
+        }
+        let entry = std::sync::Arc::new(PlainEntry {
+            id: id.clone().unbind(),
+            key,
+            hints: (0..self.num_groups).map(|_| Default::default()).collect(),
+        });
+        map.insert(addr, entry.clone());
+        Ok(entry)
+    }
+
+    /// Drops the entry of `id`, if any (its request was freed).
+    pub(crate) fn forget(&self, id: &Bound<'_, PyString>) {
+        let removed = self.lock().remove(&(id.as_ptr() as usize));
+        // The id's reference is released after the map is.
+        drop(removed);
+    }
+
+    /// How many entries the map holds.
+    pub(crate) fn len(&self) -> usize {
+        self.lock().len()
+    }
+}
