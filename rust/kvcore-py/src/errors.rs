@@ -172,18 +172,24 @@ pub enum Error {
 }
 
 impl From<PoolError> for Error {
+    #[cold]
+    #[inline(never)]
     fn from(e: PoolError) -> Self {
         Self::Pool(e)
     }
 }
 
 impl From<PyErr> for Error {
+    #[cold]
+    #[inline(never)]
     fn from(e: PyErr) -> Self {
         Self::Py(e)
     }
 }
 
 impl From<Error> for PyErr {
+    #[cold]
+    #[inline(never)]
     fn from(e: Error) -> PyErr {
         match e {
             Error::Pool(p) => to_pyerr(p),
@@ -193,6 +199,8 @@ impl From<Error> for PyErr {
 }
 
 /// Maps a core error onto its exception class.
+#[cold]
+#[inline(never)]
 pub fn to_pyerr(e: PoolError) -> PyErr {
     Python::with_gil(|py| {
         let Some(c) = CLASSES.get(py) else {
@@ -223,6 +231,8 @@ pub fn to_pyerr(e: PoolError) -> PyErr {
 }
 
 /// Raises `InvalidArgumentError` with a message.
+#[cold]
+#[inline(never)]
 pub fn invalid(msg: impl Into<String>) -> PyErr {
     to_pyerr(PoolError::Invalid(msg.into()))
 }
@@ -245,6 +255,8 @@ pub enum Kind {
 }
 
 /// An exception of class `kind` with a message.
+#[cold]
+#[inline(never)]
 pub fn error(kind: Kind, msg: impl Into<String>) -> PyErr {
     let msg = msg.into();
     Python::with_gil(|py| {
@@ -264,6 +276,8 @@ pub fn error(kind: Kind, msg: impl Into<String>) -> PyErr {
 }
 
 /// Raises `ArgumentTypeError` naming what was expected and the type given.
+#[cold]
+#[inline(never)]
 pub fn type_error(what: &str, expected: &str, got: &Bound<'_, PyAny>) -> PyErr {
     let name = got
         .get_type()
