@@ -126,6 +126,7 @@ class Side:
             call(request, 1, num_lookahead_tokens=0)
         return probe.seconds / probe.calls
 
+
 def _requests(n: int, seed: int, hasher: Any) -> list[Request]:
     rng = random.Random(seed)
     systems = [[rng.randrange(h.VOCAB) for _ in range(rng.randrange(64, 256))] for _ in range(8)]
