@@ -8,7 +8,8 @@ run to run. Counted by callgrind, the same call is repeatable: the workload belo
 unrelated Python code (dict and list reads, a ``json.dumps``) before each call, as the
 scheduler does, and the decode calls ``allocate_slots(request, 1, num_lookahead_tokens=0)``
 of 256 running requests of a class laid out as vLLM's ``Request`` (plain attributes, the token
-count a property over ``_all_token_ids``, registered as kvcore's plain class), events on, one
+count a property over ``_all_token_ids``: ``tests/test_plain_requests.py``'s ``PlainRequest``,
+registered as kvcore's plain class), events on, one
 block filled every 16 steps. Two runs (16 and 48 decode steps) are subtracted, so start-up,
 imports and admissions cancel out.
 
@@ -23,7 +24,6 @@ Needs valgrind; vLLM is not imported (the request class mimics its layout).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
@@ -31,51 +31,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from test_plain_requests import PlainManager, PlainRequest
+
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec
-from kvcore.manager import KVCacheManager
+from kvcore.hashing import get_request_block_hasher, init_none_hash, sha256
 from kvcore.specs import FullAttentionSpec, SlidingWindowSpec
 
 BLOCK = 16
-RUNNING = 2  # RequestStatus.RUNNING
+RUNNING = 5  # RequestStatus.RUNNING
 # The native entry's symbol: callgrind counts what runs inside it.
 ENTRY = "*fast_entry*allocate_slots*"
-
-
-class VllmShapedRequest:
-    """vLLM's ``Request`` layout: plain instance attributes, ``num_tokens`` a property."""
-
-    def __init__(self, request_id: str, prompt: list[int]) -> None:
-        self.request_id = request_id
-        self._all_token_ids = list(prompt)
-        self.all_token_ids = self._all_token_ids
-        self.num_prompt_tokens = len(prompt)
-        self.num_computed_tokens = 0
-        self.status = 1
-        self.block_hashes: list[bytes] = []
-        self.skip_reading_prefix_cache = False
-        self.lora_request = None
-        self.cache_salt = None
-        self.mm_features: list[Any] = []
-        self.prompt_embeds = None
-        self.num_preemptions = 0
-        self.hash_new_blocks()
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._all_token_ids)
-
-    def hash_new_blocks(self) -> None:
-        """Chained hashes of the full blocks (any stable function: the manager only keys
-        blocks by them)."""
-        while (len(self.block_hashes) + 1) * BLOCK <= len(self._all_token_ids):
-            i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else b""
-            chunk = self._all_token_ids[i * BLOCK : (i + 1) * BLOCK]
-            self.block_hashes.append(hashlib.sha256(parent + repr(chunk).encode()).digest())
-
-
-class Manager(KVCacheManager):
-    _plain_request_class = (VllmShapedRequest, "_all_token_ids")
 
 
 def workload(model: str, running: int, steps: int) -> None:
@@ -87,7 +54,9 @@ def workload(model: str, running: int, steps: int) -> None:
         spec = SlidingWindowSpec(dtype="float16", sliding_window=128, **attn)
         groups.append(KVCacheGroupSpec(["swa"], spec))
     num_blocks = running * (steps // BLOCK + 10) * len(groups) + 16
-    mgr = Manager(
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    mgr = PlainManager(
         KVCacheConfig(num_blocks, [], groups),
         max_model_len=8192,
         scheduler_block_size=BLOCK,
@@ -95,15 +64,15 @@ def workload(model: str, running: int, steps: int) -> None:
         enable_kv_cache_events=True,
     )
     reqs: list[Any] = [
-        VllmShapedRequest(f"req-{i}", list(range(i % 500, i % 500 + 100))) for i in range(running)
+        PlainRequest(f"req-{i}", list(range(i % 500, i % 500 + 100)), hasher)
+        for i in range(running)
     ]
     for r in reqs:
         hits, n = mgr.get_computed_blocks(r)
         assert mgr.allocate_slots(r, r.num_tokens - n, n, hits) is not None
         r.num_computed_tokens = r.num_tokens
         r.status = RUNNING
-        r._all_token_ids.append(7)  # the sampled token: decode computes it next
-        r.hash_new_blocks()
+        r.append(7)  # the sampled token: decode computes it next
     other = [{"a": i, "b": str(i), "c": [i]} for i in range(4000)]
 
     def scheduler_work(k: int) -> int:
@@ -120,8 +89,7 @@ def workload(model: str, running: int, steps: int) -> None:
             assert allocate(r, 1, num_lookahead_tokens=0) is not None
         for r in reqs:
             r.num_computed_tokens += 1
-            r._all_token_ids.append(s)
-            r.hash_new_blocks()
+            r.append(s)
         mgr.take_events()
 
 

@@ -381,45 +381,44 @@ impl Inner {
         let fields = self.fields(request);
         let id_obj;
         let id_key_obj;
-        let mut plain_entry = None;
-        let (id, num_tokens, num_computed, status) = if let Some(c) = &request_core {
-            (
-                c.id.as_str(),
-                count(c.num_tokens, "num_tokens")?,
-                count(c.num_computed_tokens, "num_computed_tokens")?,
-                c.status_value,
-            )
-        } else {
-            id_obj = fields.request_id()?;
-            let num_tokens = fields.num_tokens()?;
-            let num_computed = count_of(
-                &fields.get(intern!(py, "num_computed_tokens"))?,
-                "num_computed_tokens",
-            )?;
-            // The status only decides whether the watermark applies (MGR-1): unread without one.
-            let status: i64 = if args.has_scheduled_reqs && self.watermark {
-                fields.get(intern!(py, "status"))?.extract().unwrap_or(-1)
+        let plain_entry;
+        // The table key and, where the request has them, its slot hints.
+        let (id, hints, num_tokens, num_computed, status): (&str, &[HintCell], _, _, _) =
+            if let Some(c) = &request_core {
+                (
+                    c.id.as_str(),
+                    &c.hints[..self.num_groups.min(c.hints.len())],
+                    count(c.num_tokens, "num_tokens")?,
+                    count(c.num_computed_tokens, "num_computed_tokens")?,
+                    c.status_value,
+                )
             } else {
-                0
+                id_obj = fields.request_id()?;
+                let num_tokens = fields.num_tokens()?;
+                let num_computed = count_of(
+                    &fields.get(intern!(py, "num_computed_tokens"))?,
+                    "num_computed_tokens",
+                )?;
+                // The status only decides whether the watermark applies (MGR-1): unread
+                // without one.
+                let status: i64 = if args.has_scheduled_reqs && self.watermark {
+                    fields.get(intern!(py, "status"))?.extract().unwrap_or(-1)
+                } else {
+                    0
+                };
+                // A plain request's key and hints are kept by the address of its id str.
+                let (key, hints): (&str, &[HintCell]) = if matches!(fields, Fields::Plain(_)) {
+                    plain_entry = self.plain_hints.entry(&id_obj)?;
+                    (&plain_entry.key, &plain_entry.hints)
+                } else {
+                    id_key_obj = id_key(&id_obj)?;
+                    (&id_key_obj, &[])
+                };
+                (key, hints, num_tokens, num_computed, status)
             };
-            // A plain request's key and hints are kept by the address of its id str.
-            let key: &str = if matches!(fields, Fields::Plain(_)) {
-                plain_entry = Some(self.plain_hints.entry(&id_obj)?);
-                plain_entry.as_deref().map_or("", |e| e.key.as_str())
-            } else {
-                id_key_obj = id_key(&id_obj)?;
-                &id_key_obj
-            };
-            (key, num_tokens, num_computed, status)
-        };
         let num_prompt_tokens = self.num_prompt_tokens(request_core.as_deref(), &fields)?;
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
-        let hints: &[HintCell] = match (&request_core, &plain_entry) {
-            (Some(c), _) => &c.hints[..self.num_groups.min(c.hints.len())],
-            (None, Some(e)) => &e.hints,
-            (None, None) => &[],
-        };
         let view = RequestView {
             id,
             num_computed_tokens: num_computed,
