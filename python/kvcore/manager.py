@@ -452,9 +452,11 @@ class KVCacheManager(KVCacheManagerCore):
         self.block_pool.expire()
         return self.block_pool.num_pinned_blocks
 
-    @_serialized
     def take_events(self) -> list[KVCacheEvent]:
         """Takes the pool's events, annotating ``BlockStored`` with the group kind (MGR-24).
+
+        Not serialised by the manager's lock: the pool hands each event to one caller only,
+        and the metadata read here never changes.
 
         Returns:
             The events in emission order.

@@ -414,6 +414,17 @@ impl Coordinator {
         !self.skippers.is_empty()
     }
 
+    /// Whether any rule reads a request's prompt length: a group skipping after the prompt
+    /// (RSWA-1) or caching with a retention interval (the latest prompt block is kept
+    /// reachable). Without one, callers need not read it (it is then never used).
+    pub fn reads_prompt_len(&self) -> bool {
+        self.retention_interval.is_some()
+            || self
+                .skippers
+                .iter()
+                .any(|&i| self.groups[i].kind().skips_after_prompt())
+    }
+
     /// Whether the request is running in some group.
     pub fn is_running(&self, id: &str) -> bool {
         self.groups.iter().any(|g| g.is_running(id))

@@ -98,6 +98,12 @@ impl Kind {
         !matches!(self, Self::Full | Self::Sink { .. } | Self::CrossAttention)
     }
 
+    /// Whether the type's `remove_skipped_blocks` reads the request's prompt length (RSWA-1:
+    /// the decode blocks it frees start after the prompt).
+    pub fn skips_after_prompt(self) -> bool {
+        matches!(self, Self::ReferenceSlidingWindow { .. })
+    }
+
     /// Whether the type keeps the base rules for counting, allocating and caching (STM-2,
     /// STM-3, STM-6): every type but Mamba and cross-attention.
     pub fn base_allocation(self) -> bool {

@@ -4,7 +4,7 @@ use kvcore_core::events::KvEvent;
 use kvcore_core::hash::BlockHash;
 use kvcore_core::value::Value;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 const MEDIUM_GPU: &str = "GPU";
 
@@ -27,11 +27,11 @@ pub fn use_int_hashes(py: Python<'_>) -> PyResult<bool> {
     }
 }
 
-fn external_hash(py: Python<'_>, h: &BlockHash, as_int: bool) -> PyResult<PyObject> {
+fn external_hash<'py>(py: Python<'py>, h: &BlockHash, as_int: bool) -> PyResult<Bound<'py, PyAny>> {
     if as_int {
-        Ok(h.event_int().into_pyobject(py)?.into_any().unbind())
+        Ok(h.event_int().into_pyobject(py)?.into_any())
     } else {
-        Ok(PyBytes::new(py, h.as_bytes()).into_any().unbind())
+        Ok(PyBytes::new(py, h.as_bytes()).into_any())
     }
 }
 
@@ -125,6 +125,25 @@ pub(crate) const STORED_FIELDS: [&str; 11] = [
 ];
 
 impl BlockStored {
+    /// The event with its fields in EVT-1 order.
+    fn from_values(v: [PyObject; 11]) -> Self {
+        let [block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window] =
+            v;
+        Self {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            medium,
+            lora_name,
+            extra_keys,
+            group_idx,
+            kv_cache_spec_kind,
+            kv_cache_spec_sliding_window,
+        }
+    }
+
     fn values(&self) -> [&PyObject; 11] {
         [
             &self.block_hashes,
@@ -374,9 +393,13 @@ pub fn events_to_py(
 ) -> PyResult<(Py<PyList>, Vec<u32>)> {
     let out = PyList::empty(py);
     let mut unknown = Vec::new();
-    let medium: PyObject = MEDIUM_GPU.into_pyobject(py)?.into_any().unbind();
+    let medium = PyString::new(py, MEDIUM_GPU).into_any();
+    let none = || py.None().into_bound(py);
+    // Every field is an owned `Bound`: moved into the event (or the argument tuple), never
+    // counted twice.
+    let int = |v: i64| -> PyResult<Bound<'_, PyAny>> { Ok(v.into_pyobject(py)?.into_any()) };
     for ev in events {
-        let obj: PyObject = match ev {
+        let obj: Bound<'_, PyAny> = match ev {
             KvEvent::BlockStored {
                 block_hashes,
                 parent_block_hash,
@@ -384,65 +407,67 @@ pub fn events_to_py(
                 group_idx,
                 meta,
             } => {
-                let hashes = block_hashes
-                    .iter()
-                    .map(|h| external_hash(py, h, as_int))
-                    .collect::<PyResult<Vec<_>>>()?;
+                let hashes = PyList::empty(py);
+                for h in &block_hashes {
+                    hashes.append(external_hash(py, h, as_int)?)?;
+                }
                 let parent = match &parent_block_hash {
                     Some(h) => external_hash(py, h, as_int)?,
-                    None => py.None(),
+                    None => none(),
                 };
-                let extra: PyObject = match &meta.extra_keys {
-                    None => py.None(),
+                let extra = match &meta.extra_keys {
+                    None => none(),
                     Some(keys) => {
-                        let items = keys
-                            .iter()
-                            .map(|k| match k {
-                                Some(v) => value_to_py(py, v),
-                                None => Ok(py.None()),
-                            })
-                            .collect::<PyResult<Vec<_>>>()?;
-                        PyList::new(py, items)?.into_any().unbind()
+                        let items = PyList::empty(py);
+                        for k in keys {
+                            items.append(match k {
+                                Some(v) => value_to_py(py, v)?.into_bound(py),
+                                None => none(),
+                            })?;
+                        }
+                        items.into_any()
                     }
                 };
                 let (kind, window) = match style.group_meta {
-                    None => (py.None(), py.None()),
+                    None => (none(), none()),
                     Some(m) => match m.get(group_idx as usize) {
-                        Some((k, w)) => (k.clone_ref(py), w.clone_ref(py)),
+                        Some((k, w)) => (k.bind(py).clone(), w.bind(py).clone()),
                         None => {
                             unknown.push(group_idx);
-                            (py.None(), py.None())
+                            (none(), none())
                         }
                     },
                 };
-                let opt = |v: Option<PyObject>| v.unwrap_or_else(|| py.None());
-                let stored = BlockStored {
-                    block_hashes: PyList::new(py, hashes)?.into_any().unbind(),
-                    parent_block_hash: parent,
-                    token_ids: PyList::new(py, &meta.token_ids)?.into_any().unbind(),
-                    block_size: block_size.into_pyobject(py)?.into_any().unbind(),
-                    lora_id: opt(meta
-                        .lora_id
-                        .map(|v| v.into_pyobject(py).map(|o| o.into_any().unbind()))
-                        .transpose()?),
-                    medium: medium.clone_ref(py),
-                    lora_name: opt(meta
-                        .lora_name
-                        .as_deref()
-                        .map(|v| v.into_pyobject(py).map(|o| o.into_any().unbind()))
-                        .transpose()?),
-                    extra_keys: extra,
-                    group_idx: group_idx.into_pyobject(py)?.into_any().unbind(),
-                    kv_cache_spec_kind: kind,
-                    kv_cache_spec_sliding_window: window,
-                };
+                let values: [Bound<'_, PyAny>; 11] = [
+                    hashes.into_any(),
+                    parent,
+                    PyList::new(py, &meta.token_ids)?.into_any(),
+                    block_size.into_pyobject(py)?.into_any(),
+                    match meta.lora_id {
+                        Some(v) => int(v)?,
+                        None => none(),
+                    },
+                    medium.clone(),
+                    match meta.lora_name.as_deref() {
+                        Some(v) => PyString::new(py, v).into_any(),
+                        None => none(),
+                    },
+                    extra,
+                    group_idx.into_pyobject(py)?.into_any(),
+                    kind,
+                    window,
+                ];
                 match style.classes {
-                    None => Py::new(
-                        py,
-                        PyClassInitializer::from(KVCacheEvent).add_subclass(stored),
-                    )?
-                    .into_any(),
-                    Some([cls, _, _]) => call_with_fields(cls, &stored.values())?,
+                    None => {
+                        let stored = BlockStored::from_values(values.map(Bound::unbind));
+                        Py::new(
+                            py,
+                            PyClassInitializer::from(KVCacheEvent).add_subclass(stored),
+                        )?
+                        .into_bound(py)
+                        .into_any()
+                    }
+                    Some([cls, _, _]) => cls.call1(PyTuple::new(py, values)?)?,
                 }
             }
             KvEvent::BlockRemoved {
@@ -450,18 +475,27 @@ pub fn events_to_py(
                 group_idx,
             } => {
                 let h = external_hash(py, &block_hash, as_int)?;
-                let removed = BlockRemoved {
-                    block_hashes: PyList::new(py, [h])?.into_any().unbind(),
-                    medium: medium.clone_ref(py),
-                    group_idx: group_idx.into_pyobject(py)?.into_any().unbind(),
-                };
+                let values: [Bound<'_, PyAny>; 3] = [
+                    PyList::new(py, [h])?.into_any(),
+                    medium.clone(),
+                    group_idx.into_pyobject(py)?.into_any(),
+                ];
                 match style.classes {
-                    None => Py::new(
-                        py,
-                        PyClassInitializer::from(KVCacheEvent).add_subclass(removed),
-                    )?
-                    .into_any(),
-                    Some([_, cls, _]) => call_with_fields(cls, &removed.values())?,
+                    None => {
+                        let [block_hashes, medium, group_idx] = values.map(Bound::unbind);
+                        let removed = BlockRemoved {
+                            block_hashes,
+                            medium,
+                            group_idx,
+                        };
+                        Py::new(
+                            py,
+                            PyClassInitializer::from(KVCacheEvent).add_subclass(removed),
+                        )?
+                        .into_bound(py)
+                        .into_any()
+                    }
+                    Some([_, cls, _]) => cls.call1(PyTuple::new(py, values)?)?,
                 }
             }
             KvEvent::AllBlocksCleared => match style.classes {
@@ -469,18 +503,14 @@ pub fn events_to_py(
                     py,
                     PyClassInitializer::from(KVCacheEvent).add_subclass(AllBlocksCleared),
                 )?
+                .into_bound(py)
                 .into_any(),
-                Some([_, _, cls]) => cls.call0()?.unbind(),
+                Some([_, _, cls]) => cls.call0()?,
             },
         };
         out.append(obj)?;
     }
     Ok((out.unbind(), unknown))
-}
-
-/// `cls(*values)`: the given classes take the fields positionally, in EVT-1 order.
-fn call_with_fields(cls: &Bound<'_, PyAny>, values: &[&PyObject]) -> PyResult<PyObject> {
-    Ok(cls.call1(PyTuple::new(cls.py(), values)?)?.unbind())
 }
 
 /// Converts a Python extra-key value (None, int, str, bytes, tuple or list of those) into a

@@ -699,7 +699,7 @@ impl PyManagerCore {
         let plain = plain_request
             .map(|(cls, tokens)| PlainClass::new(&cls, &tokens))
             .transpose()?;
-        let reads_prompt = core.has_skippers() || retention_interval.is_some();
+        let reads_prompt = core.reads_prompt_len();
         let num_groups = core.num_groups();
         let empty_blocks = empty.getattr(py, intern!(py, "blocks"))?;
         let inner = Inner {
