@@ -23,6 +23,70 @@ fn cdiv(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
 
+/// ALLOC-1's refusal of a call that computes nothing.
+#[cold]
+#[inline(never)]
+fn no_new_tokens() -> PoolError {
+    PoolError::Invalid(
+        "num_new_tokens must be greater than 0 when there are no external computed tokens".into(),
+    )
+}
+
+/// The token positions one `allocate_slots` call works with (ALLOC-2..4).
+struct TokenCounts {
+    /// Computed tokens with the new local hits.
+    local: usize,
+    /// `local` with the external tokens, not capped.
+    uncapped: usize,
+    /// `uncapped` capped by `max_model_len`.
+    total: usize,
+    /// The watermark that applies to this call (MGR-1).
+    wm: usize,
+    /// Tokens computed after this step.
+    main: usize,
+    /// Tokens needing a slot (with the lookahead), capped by `max_model_len`.
+    need_slot: usize,
+    /// Whether this call caches full blocks.
+    caching: bool,
+    /// Tokens whose full blocks may be cached.
+    to_cache: usize,
+}
+
+impl TokenCounts {
+    #[inline]
+    fn of(
+        c: &Coordinator,
+        pool: &BlockPool,
+        req: &RequestView<'_>,
+        args: &AllocateArgs<'_>,
+    ) -> Self {
+        let mml = c.max_model_len;
+        // Token sums saturate: each is capped by `max_model_len` or `num_tokens`, so the
+        // capped value is the exact one.
+        let local = req
+            .num_computed_tokens
+            .saturating_add(args.num_new_computed_tokens);
+        let uncapped = local.saturating_add(args.num_external_computed_tokens);
+        let total = uncapped.min(mml);
+        let wm = if args.has_scheduled_reqs && req.waiting_or_preempted {
+            c.watermark_blocks
+        } else {
+            0
+        };
+        let main = total.saturating_add(args.num_new_tokens);
+        Self {
+            local,
+            uncapped,
+            total,
+            wm,
+            main,
+            need_slot: main.saturating_add(args.num_lookahead_tokens).min(mml),
+            caching: pool.enable_caching() && !args.delay_cache_blocks,
+            to_cache: main.min(req.num_tokens),
+        }
+    }
+}
+
 /// Whether `need` blocks and `watermark` more fit in `free` blocks less `reserved`, in exact
 /// arithmetic (the reference compares Python ints; Mamba's `need` may be negative). A negative
 /// reservation reserves nothing (it frees no capacity either).
@@ -1179,14 +1243,50 @@ impl Coordinator {
         hashes: HashSource<'_, E>,
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<Option<NewBlocks>, E> {
-        let ext = args.num_external_computed_tokens;
-        if args.num_new_tokens == 0 && ext == 0 {
-            return Err(PoolError::Invalid(
-                "num_new_tokens must be greater than 0 when there are no external computed tokens"
-                    .into(),
-            )
-            .into());
+        if args.num_new_tokens == 0 && args.num_external_computed_tokens == 0 {
+            return Err(no_new_tokens().into());
         }
+        // A running request's call that names only token counts (every decode step) is
+        // served by the running path; the rest of the rules are out of line.
+        if args.new_computed_blocks.is_none()
+            && args.num_external_computed_tokens == 0
+            && !args.full_sequence_must_fit
+        {
+            let t = TokenCounts::of(self, pool, &req, &args);
+            let reborrowed = HashSource {
+                len: &mut *hashes.len,
+                get: &mut *hashes.get,
+            };
+            if let Some(out) = self.allocate_running(
+                pool,
+                &req,
+                &args,
+                t.total,
+                t.main,
+                t.need_slot,
+                t.wm,
+                reborrowed,
+                meta,
+            )? {
+                return Ok(out);
+            }
+        }
+        self.allocate_general(pool, req, args, hashes, meta)
+    }
+
+    /// [`Self::allocate_slots`] for every call the running path does not serve (admissions,
+    /// hits, external tokens, the whole-sequence gate, growth that does not fit).
+    #[cold]
+    #[inline(never)]
+    fn allocate_general<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        req: RequestView<'_>,
+        args: AllocateArgs<'_>,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<Option<NewBlocks>, E> {
+        let ext = args.num_external_computed_tokens;
         let hits = args.new_computed_blocks;
         if let Some(h) = hits {
             if let Some(&b) = h
@@ -1217,33 +1317,16 @@ impl Coordinator {
             }
         }
         let mml = self.max_model_len;
-        // Token sums saturate: each is capped by `max_model_len` or `num_tokens`, so the
-        // capped value is the exact one.
-        let local = req
-            .num_computed_tokens
-            .saturating_add(args.num_new_computed_tokens);
-        let uncapped = local.saturating_add(ext);
-        let total = uncapped.min(mml);
-        let wm = if args.has_scheduled_reqs && req.waiting_or_preempted {
-            self.watermark_blocks
-        } else {
-            0
-        };
-        let main = total.saturating_add(args.num_new_tokens);
-        let need_slot = main.saturating_add(args.num_lookahead_tokens).min(mml);
-        let caching = pool.enable_caching() && !args.delay_cache_blocks;
-        let to_cache = main.min(req.num_tokens);
-        if hits.is_none() && ext == 0 && !args.full_sequence_must_fit {
-            let reborrowed = HashSource {
-                len: &mut *hashes.len,
-                get: &mut *hashes.get,
-            };
-            if let Some(out) = self.allocate_running(
-                pool, &req, &args, total, main, need_slot, wm, reborrowed, meta,
-            )? {
-                return Ok(out);
-            }
-        }
+        let TokenCounts {
+            local,
+            uncapped,
+            total,
+            wm,
+            main,
+            need_slot,
+            caching,
+            to_cache,
+        } = TokenCounts::of(self, pool, &req, &args);
         // Refusals the reference makes part-way (after freeing, touching or allocating) are
         // made here, before anything changes.
         if self.has_skippers() && uncapped > mml {

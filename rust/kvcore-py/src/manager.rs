@@ -9,14 +9,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use kvcore_core::coordinator::{
-    AllocateArgs, AttentionGroup, Coordinator, CoordinatorConfig, Mode, RequestView,
+    AllocateArgs, AttentionGroup, Coordinator, CoordinatorConfig, Mode, NewBlocks, RequestView,
 };
 use kvcore_core::events::{MetaRequest, StoredMeta};
 use kvcore_core::hash::BlockHash;
 use kvcore_core::pool::retention::Retention;
 use kvcore_core::pool::{BlockId, HashSource};
 use kvcore_core::single_type::{GroupConfig, HashList, Kind, MambaMode};
-use kvcore_core::tables::HintCell;
+use kvcore_core::tables::{HintCell, SlotHint};
 use kvcore_core::PoolError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -482,14 +482,7 @@ impl Inner {
         }
         let mut core = self.lock(py)?;
         if let Some((list, i)) = next {
-            let tables = &core.groups[0].tables;
-            let more = core.groups.get(1..).unwrap_or_default();
-            prefetch_ahead(list, i, &self.cast, |c| {
-                tables.prefetch_slot(c.hints[0].get());
-                for (g, h) in more.iter().zip(&c.hints[1..]) {
-                    g.tables.prefetch_slot(h.get());
-                }
-            });
+            self.prefetch_next(&core, list, i);
         }
         let mut pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
         let res = core.allocate_slots::<Error>(
@@ -512,9 +505,14 @@ impl Inner {
         if ranges.iter().all(|r| r.is_empty()) {
             return Ok(Some(Flat::empty(core.groups.len())));
         }
+        Ok(Some(Self::new_ids(&core, id, hint, &ranges)))
+    }
+
+    /// The new ids of an allocation: `ranges` of the request's tables, copied out.
+    #[inline(never)]
+    fn new_ids(core: &Coordinator, id: &str, hint: Option<SlotHint>, ranges: &NewBlocks) -> Flat {
         if let (1, Some(r)) = (ranges.len(), ranges.get(0)) {
-            let ids = core.groups[0].tables.blocks_hinted(id, hint)[r].to_vec();
-            return Ok(Some(Flat::single(ids)));
+            return Flat::single(core.groups[0].tables.blocks_hinted(id, hint)[r].to_vec());
         }
         let groups = ranges.iter().enumerate().map(|(i, r)| {
             let blocks = if i == 0 {
@@ -524,7 +522,20 @@ impl Inner {
             };
             &blocks[r]
         });
-        Ok(Some(Flat::of(ranges.len(), groups)))
+        Flat::of(ranges.len(), groups)
+    }
+
+    /// A batch's pipeline: prefetches the table slots of the requests after position `i`.
+    #[inline(never)]
+    fn prefetch_next(&self, core: &Coordinator, list: &Bound<'_, PyList>, i: usize) {
+        let tables = &core.groups[0].tables;
+        let more = core.groups.get(1..).unwrap_or_default();
+        prefetch_ahead(list, i, &self.cast, |c| {
+            tables.prefetch_slot(c.hints[0].get());
+            for (g, h) in more.iter().zip(&c.hints[1..]) {
+                g.tables.prefetch_slot(h.get());
+            }
+        });
     }
 
     /// `allocate_slots` with parsed arguments, as the Python caller sees it: the new blocks as
@@ -1447,6 +1458,8 @@ mod fast_entry {
     }
 
     /// The call through pyo3's method: `general(self, *args, **kwargs)`.
+    #[cold]
+    #[inline(never)]
     fn general<'py>(
         slf: &Bound<'py, PyAny>,
         args: &[*mut ffi::PyObject],
@@ -1538,21 +1551,31 @@ mod fast_entry {
         // SAFETY: `slf` is the live instance the method is called on.
         let slf = unsafe { Bound::from_borrowed_ptr(py, slf) };
         let result = catch_unwind(AssertUnwindSafe(|| call(&slf, args, nargs, kwnames)))
-            .unwrap_or_else(|payload| {
-                let msg = payload
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                    .unwrap_or_else(|| "panic in allocate_slots".to_owned());
-                Err(PanicException::new_err(msg))
-            });
+            .unwrap_or_else(panicked);
         match result {
             Ok(obj) => obj.into_ptr(),
-            Err(err) => {
-                err.restore(py);
-                std::ptr::null_mut()
-            }
+            Err(err) => raise(py, err),
         }
+    }
+
+    /// The error a caught panic becomes.
+    #[cold]
+    #[inline(never)]
+    fn panicked<'py>(payload: Box<dyn std::any::Any + Send>) -> PyResult<Bound<'py, PyAny>> {
+        let msg = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_else(|| "panic in allocate_slots".to_owned());
+        Err(PanicException::new_err(msg))
+    }
+
+    /// Sets `err` as the current exception: the entry then returns NULL.
+    #[cold]
+    #[inline(never)]
+    fn raise(py: Python<'_>, err: PyErr) -> *mut ffi::PyObject {
+        err.restore(py);
+        std::ptr::null_mut()
     }
 }
 
