@@ -131,6 +131,15 @@ def play(mgr: KVCacheManager, cls: type[PlainRequest], seed: int) -> list[Any]:
     missing = cls("missing", [1, 2, 3], hasher)
     del missing.num_computed_tokens
     log.append(outcome(mgr.allocate_slots, missing, 1))
+    # A request_id that is not a str: refused as on the attribute path, on first use and
+    # after a str id of the same request was seen (the kept entry is found by address only).
+    for rid in (7, b"bytes-id"):
+        odd = cls("odd", [1, 2, 3], hasher)
+        log.append(outcome(mgr.allocate_slots, odd, 1))
+        odd.request_id = rid  # type: ignore[assignment]
+        log.append(outcome(mgr.allocate_slots, odd, 1))
+        odd.request_id = "odd"
+        log.append(outcome(mgr.free, odd))
     not_a_list = cls("tuple-tokens", [1, 2, 3, 4, 5], hasher)
     not_a_list._all_token_ids = tuple(not_a_list._all_token_ids)  # type: ignore[assignment]
     log.append(outcome(mgr.get_computed_blocks, not_a_list))

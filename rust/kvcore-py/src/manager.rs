@@ -145,6 +145,13 @@ fn group_config(
     })
 }
 
+/// Where a duck-typed request's table key comes from: a plain request's kept entry (key and
+/// hints), or any other request's `request_id` str.
+enum IdSource<'py> {
+    Plain(std::sync::Arc<crate::plain::PlainEntry>),
+    Str(Bound<'py, PyString>),
+}
+
 /// Per-group block ids copied out of the core in one buffer (a call allocates at most the id
 /// buffer and, with several groups, their ends; nothing when no block is new).
 struct Flat {
@@ -379,9 +386,8 @@ impl Inner {
         // A kvcore Request keeps these four fields in its native base: read them directly.
         let request_core = self.cast.borrow(request)?;
         let fields = self.fields(request);
-        let id_obj;
+        let id_src;
         let id_key_obj;
-        let plain_entry;
         // The table key and, where the request has them, its slot hints.
         let (id, hints, num_tokens, num_computed, status): (&str, &[HintCell], _, _, _) =
             if let Some(c) = &request_core {
@@ -393,7 +399,16 @@ impl Inner {
                     c.status_value,
                 )
             } else {
-                id_obj = fields.request_id()?;
+                // A plain request's key and hints are kept by the address of its id str
+                // (read, not checked, when known: `PlainHints::entry`).
+                id_src = if matches!(fields, Fields::Plain(_)) {
+                    IdSource::Plain(
+                        self.plain_hints
+                            .entry(&fields.get(intern!(py, "request_id"))?)?,
+                    )
+                } else {
+                    IdSource::Str(fields.request_id()?)
+                };
                 let num_tokens = fields.num_tokens()?;
                 let num_computed = count_of(
                     &fields.get(intern!(py, "num_computed_tokens"))?,
@@ -406,13 +421,12 @@ impl Inner {
                 } else {
                     0
                 };
-                // A plain request's key and hints are kept by the address of its id str.
-                let (key, hints): (&str, &[HintCell]) = if matches!(fields, Fields::Plain(_)) {
-                    plain_entry = self.plain_hints.entry(&id_obj)?;
-                    (&plain_entry.key, &plain_entry.hints)
-                } else {
-                    id_key_obj = id_key(&id_obj)?;
-                    (&id_key_obj, &[])
+                let (key, hints): (&str, &[HintCell]) = match &id_src {
+                    IdSource::Plain(entry) => (&entry.key, entry.hints()),
+                    IdSource::Str(id) => {
+                        id_key_obj = id_key(id)?;
+                        (&id_key_obj, &[])
+                    }
                 };
                 (key, hints, num_tokens, num_computed, status)
             };

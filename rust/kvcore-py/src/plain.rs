@@ -284,13 +284,26 @@ pub(crate) struct PlainHints {
     num_groups: usize,
 }
 
-/// One plain request's id (kept alive), table key and slot hints.
+/// Groups whose slot hints an entry keeps (inline, next to its reference counts, so that a
+/// decode call reads one line of it); the tables of further groups are found by id.
+const INLINE_HINTS: usize = 4;
+
+/// One plain request's slot hints, table key and id (kept alive).
+#[repr(C)]
 pub(crate) struct PlainEntry {
-    id: Py<PyString>,
+    /// One hint cell per group, the first [`INLINE_HINTS`] groups.
+    hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
+    num_hints: usize,
     /// The id's table key (`crate::args::id_key`).
     pub(crate) key: String,
-    /// One hint cell per group.
-    pub(crate) hints: Box<[kvcore_core::tables::HintCell]>,
+    id: Py<PyString>,
+}
+
+impl PlainEntry {
+    /// The hint cells, one per group (of the first [`INLINE_HINTS`]).
+    pub(crate) fn hints(&self) -> &[kvcore_core::tables::HintCell] {
+        &self.hints[..self.num_hints]
+    }
 }
 
 /// The smallest map size that triggers a sweep.
@@ -315,18 +328,23 @@ impl PlainHints {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The entry of the request whose id is `id`, made on first use.
+    /// The entry of the request whose `request_id` is `id`, made on first use.
+    ///
+    /// An entry found by `id`'s address is `id`'s (the entry holds its str alive, so no other
+    /// object has that address): the object is not read. A new entry is made only for a str
+    /// (`ArgumentTypeError` otherwise, as any `request_id` read).
     ///
     /// When the map has reached its sweep size, entries whose id str only the map still holds
     /// (their request is gone) are dropped first, and the next sweep size is twice what is
     /// left (at least [`SWEEP_MIN`]): the sweeps cost O(1) per entry made.
-    pub(crate) fn entry(&self, id: &Bound<'_, PyString>) -> PyResult<std::sync::Arc<PlainEntry>> {
+    pub(crate) fn entry(&self, id: &Bound<'_, PyAny>) -> PyResult<std::sync::Arc<PlainEntry>> {
         use std::sync::atomic::Ordering::Relaxed;
         let addr = id.as_ptr() as usize;
         let mut map = self.lock();
         if let Some(e) = map.get(&addr) {
             return Ok(e.clone());
         }
+        let id = request_id_of(id)?;
         let key = crate::args::id_key(id)?.into_owned();
         if map.len() >= self.sweep_at.load(Relaxed) {
             let py = id.py();
@@ -334,9 +352,10 @@ impl PlainHints {
             self.sweep_at.store((2 * map.len()).max(SWEEP_MIN), Relaxed);
         }
         let entry = std::sync::Arc::new(PlainEntry {
-            id: id.clone().unbind(),
+            hints: Default::default(),
+            num_hints: self.num_groups.min(INLINE_HINTS),
             key,
-            hints: (0..self.num_groups).map(|_| Default::default()).collect(),
+            id: id.clone().unbind(),
         });
         map.insert(addr, entry.clone());
         Ok(entry)
