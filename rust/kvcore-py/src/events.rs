@@ -211,7 +211,7 @@ impl BlockStored {
     ) -> (Self, KVCacheEvent) {
         let or_none = |o: Option<PyObject>| o.unwrap_or_else(|| py.None());
         (
-            Self {
+            Self::from_values([
                 block_hashes,
                 parent_block_hash,
                 token_ids,
@@ -219,11 +219,11 @@ impl BlockStored {
                 lora_id,
                 medium,
                 lora_name,
-                extra_keys: or_none(extra_keys),
-                group_idx: or_none(group_idx),
-                kv_cache_spec_kind: or_none(kv_cache_spec_kind),
-                kv_cache_spec_sliding_window: or_none(kv_cache_spec_sliding_window),
-            },
+                or_none(extra_keys),
+                or_none(group_idx),
+                or_none(kv_cache_spec_kind),
+                or_none(kv_cache_spec_sliding_window),
+            ]),
             KVCacheEvent,
         )
     }
@@ -382,6 +382,31 @@ pub struct EventStyle<'a, 'py> {
     pub group_meta: Option<&'a [(PyObject, PyObject)]>,
 }
 
+/// One event: `cls(*values)` with the given class, else kvcore's class that `make` builds
+/// from the same values.
+fn build<'py, T, const N: usize>(
+    py: Python<'py>,
+    cls: Option<&Bound<'py, PyAny>>,
+    values: [Bound<'py, PyAny>; N],
+    make: impl FnOnce([PyObject; N]) -> T,
+) -> PyResult<Bound<'py, PyAny>>
+where
+    T: pyo3::PyClass<BaseType = KVCacheEvent>,
+{
+    match cls {
+        Some(cls) => cls.call1(PyTuple::new(py, values)?),
+        None => {
+            let event = make(values.map(Bound::unbind));
+            Ok(Py::new(
+                py,
+                PyClassInitializer::from(KVCacheEvent).add_subclass(event),
+            )?
+            .into_bound(py)
+            .into_any())
+        }
+    }
+}
+
 /// Converts drained core events into a Python list of event objects, and the group ids of
 /// `BlockStored` events `style.group_meta` has no entry for (their spec fields stay None).
 /// `as_int` selects the integer form of hashes (SPEC EVT-2, see [`use_int_hashes`]).
@@ -457,18 +482,8 @@ pub fn events_to_py(
                     kind,
                     window,
                 ];
-                match style.classes {
-                    None => {
-                        let stored = BlockStored::from_values(values.map(Bound::unbind));
-                        Py::new(
-                            py,
-                            PyClassInitializer::from(KVCacheEvent).add_subclass(stored),
-                        )?
-                        .into_bound(py)
-                        .into_any()
-                    }
-                    Some([cls, _, _]) => cls.call1(PyTuple::new(py, values)?)?,
-                }
+                let cls = style.classes.map(|[c, _, _]| c);
+                build(py, cls, values, BlockStored::from_values)?
             }
             KvEvent::BlockRemoved {
                 block_hash,
@@ -480,23 +495,14 @@ pub fn events_to_py(
                     medium.clone(),
                     group_idx.into_pyobject(py)?.into_any(),
                 ];
-                match style.classes {
-                    None => {
-                        let [block_hashes, medium, group_idx] = values.map(Bound::unbind);
-                        let removed = BlockRemoved {
-                            block_hashes,
-                            medium,
-                            group_idx,
-                        };
-                        Py::new(
-                            py,
-                            PyClassInitializer::from(KVCacheEvent).add_subclass(removed),
-                        )?
-                        .into_bound(py)
-                        .into_any()
+                let cls = style.classes.map(|[_, c, _]| c);
+                build(py, cls, values, |[block_hashes, medium, group_idx]| {
+                    BlockRemoved {
+                        block_hashes,
+                        medium,
+                        group_idx,
                     }
-                    Some([_, cls, _]) => cls.call1(PyTuple::new(py, values)?)?,
-                }
+                })?
             }
             KvEvent::AllBlocksCleared => match style.classes {
                 None => Py::new(
