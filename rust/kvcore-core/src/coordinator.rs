@@ -33,6 +33,7 @@ fn no_new_tokens() -> PoolError {
 }
 
 /// The token positions one `allocate_slots` call works with (ALLOC-2..4).
+#[derive(Clone, Copy)]
 struct TokenCounts {
     /// Computed tokens with the new local hits.
     local: usize,
@@ -1111,21 +1112,24 @@ impl Coordinator {
     /// tokens: the general path's decisions with one table lookup per group, each group's
     /// counts from [`SingleTypeManager::running_growth`]. `Ok(None)`: not running, or a group
     /// needs the general rules (nothing changed); `Ok(Some(None))`: does not fit.
-    #[allow(clippy::too_many_arguments)]
     fn allocate_running<E: From<PoolError>>(
         &mut self,
         pool: &mut BlockPool,
         req: &RequestView<'_>,
         args: &AllocateArgs<'_>,
-        total: usize,
-        main: usize,
-        need_slot: usize,
-        wm: usize,
+        t: &TokenCounts,
         hashes: HashSource<'_, E>,
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<Option<Option<NewBlocks>>, E> {
-        let caching = pool.enable_caching() && !args.delay_cache_blocks;
-        let to_cache = main.min(req.num_tokens);
+        let TokenCounts {
+            total,
+            wm,
+            main,
+            need_slot,
+            caching,
+            to_cache,
+            ..
+        } = *t;
         // One lookup per group: the slot (the first four groups through the caller's hints),
         // the table length it grows to (skipping changes no table's length) and whether a
         // block fills (the request's hash list is read only then: rarely).
@@ -1257,17 +1261,7 @@ impl Coordinator {
                 len: &mut *hashes.len,
                 get: &mut *hashes.get,
             };
-            if let Some(out) = self.allocate_running(
-                pool,
-                &req,
-                &args,
-                t.total,
-                t.main,
-                t.need_slot,
-                t.wm,
-                reborrowed,
-                meta,
-            )? {
+            if let Some(out) = self.allocate_running(pool, &req, &args, &t, reborrowed, meta)? {
                 return Ok(out);
             }
         }

@@ -422,7 +422,6 @@ pub fn events_to_py(
     let none = || py.None().into_bound(py);
     // Every field is an owned `Bound`: moved into the event (or the argument tuple), never
     // counted twice.
-    let int = |v: i64| -> PyResult<Bound<'_, PyAny>> { Ok(v.into_pyobject(py)?.into_any()) };
     for ev in events {
         let obj: Bound<'_, PyAny> = match ev {
             KvEvent::BlockStored {
@@ -469,7 +468,7 @@ pub fn events_to_py(
                     PyList::new(py, &meta.token_ids)?.into_any(),
                     block_size.into_pyobject(py)?.into_any(),
                     match meta.lora_id {
-                        Some(v) => int(v)?,
+                        Some(v) => v.into_pyobject(py)?.into_any(),
                         None => none(),
                     },
                     medium.clone(),

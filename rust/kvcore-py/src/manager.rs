@@ -422,7 +422,10 @@ impl Inner {
                     0
                 };
                 let (key, hints): (&str, &[HintCell]) = match &id_src {
-                    IdSource::Plain(entry) => (&entry.key, entry.hints()),
+                    IdSource::Plain(entry) => (
+                        &entry.key,
+                        &entry.hints[..self.num_groups.min(entry.hints.len())],
+                    ),
                     IdSource::Str(id) => {
                         id_key_obj = id_key(id)?;
                         (&id_key_obj, &[])
@@ -743,7 +746,7 @@ impl PyManagerCore {
             reads_prompt,
             clip,
             plain,
-            plain_hints: PlainHints::new(num_groups),
+            plain_hints: PlainHints::new(),
         };
         self.inner
             .set(inner)

@@ -281,7 +281,6 @@ pub(crate) struct PlainHints {
     map: std::sync::Mutex<hashbrown::HashMap<usize, std::sync::Arc<PlainEntry>>>,
     /// The map's size that triggers the next sweep.
     sweep_at: std::sync::atomic::AtomicUsize,
-    num_groups: usize,
 }
 
 /// Groups whose slot hints an entry keeps (inline, next to its reference counts, so that a
@@ -292,30 +291,21 @@ const INLINE_HINTS: usize = 4;
 #[repr(C)]
 pub(crate) struct PlainEntry {
     /// One hint cell per group, the first [`INLINE_HINTS`] groups.
-    hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
-    num_hints: usize,
+    pub(crate) hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
     /// The id's table key (`crate::args::id_key`).
     pub(crate) key: String,
     id: Py<PyString>,
-}
-
-impl PlainEntry {
-    /// The hint cells, one per group (of the first [`INLINE_HINTS`]).
-    pub(crate) fn hints(&self) -> &[kvcore_core::tables::HintCell] {
-        &self.hints[..self.num_hints]
-    }
 }
 
 /// The smallest map size that triggers a sweep.
 const SWEEP_MIN: usize = 1024;
 
 impl PlainHints {
-    /// An empty map for a manager of `num_groups` groups.
-    pub(crate) fn new(num_groups: usize) -> Self {
+    /// An empty map.
+    pub(crate) fn new() -> Self {
         Self {
             map: std::sync::Mutex::default(),
             sweep_at: std::sync::atomic::AtomicUsize::new(SWEEP_MIN),
-            num_groups,
         }
     }
 
@@ -353,7 +343,6 @@ impl PlainHints {
         }
         let entry = std::sync::Arc::new(PlainEntry {
             hints: Default::default(),
-            num_hints: self.num_groups.min(INLINE_HINTS),
             key,
             id: id.clone().unbind(),
         });
