@@ -1108,6 +1108,89 @@ impl Coordinator {
         Ok(pops.saturating_add(touched.len()))
     }
 
+    /// One group's part of a running call: its slot (a stale hint is refreshed now, the entry
+    /// outlives this call), the table length it grows to (skipping changes no table's
+    /// length), whether a block fills (the request's hash list is read only then: rarely),
+    /// and the blocks it counts against the free ones. `None`: the group needs the general
+    /// rules.
+    #[inline]
+    fn running_step(
+        &self,
+        i: usize,
+        g: &SingleTypeManager,
+        req: &RequestView<'_>,
+        t: &TokenCounts,
+    ) -> Option<(i64, RunningStep)> {
+        let slot = g.tables.resolve_cell(req.id, req.hints.get(i))?;
+        let e = g.tables.at_slot(slot);
+        let cached = e.num_cached?;
+        let have = e.blocks.len();
+        let (count, want) = g.running_growth(have, t.need_slot, t.main)?;
+        let cache_len = if t.caching {
+            self.cache_length(i, t.to_cache)
+        } else {
+            0
+        };
+        // `cached < len / block_size`, without the division.
+        let fills = t.caching
+            && cached
+                .checked_add(1)
+                .and_then(|c| c.checked_mul(g.block_size()))
+                .is_some_and(|n| n <= cache_len);
+        Some((
+            count,
+            RunningStep {
+                slot,
+                have,
+                want,
+                cache_len,
+                fills,
+            },
+        ))
+    }
+
+    /// Whether [`Self::allocate_is_noop`] may hold for any call: not when a group skips blocks
+    /// (its running calls remove them) or there are more groups than the running path takes.
+    #[inline]
+    pub fn noop_possible(&self) -> bool {
+        self.skippers.is_empty() && self.groups.len() <= MAX_RUNNING_GROUPS
+    }
+
+    /// Whether the call names only token counts, which the running path may serve.
+    #[inline]
+    fn counts_only(args: &AllocateArgs<'_>) -> bool {
+        args.new_computed_blocks.is_none()
+            && args.num_external_computed_tokens == 0
+            && !args.full_sequence_must_fit
+    }
+
+    /// Whether [`Self::allocate_slots`] with these arguments would allocate nothing and change
+    /// nothing but stale hints (which this refreshes): a running request's call in which no
+    /// group grows, fills a block or skips one, with no watermark or reservation to check.
+    /// Most decode steps are such calls; a caller may answer them (no new blocks) without
+    /// gathering what the call needs only when something happens. An invalid call (ALLOC-1)
+    /// is not one.
+    pub fn allocate_is_noop(
+        &self,
+        pool: &BlockPool,
+        req: &RequestView<'_>,
+        args: &AllocateArgs<'_>,
+    ) -> bool {
+        if args.num_new_tokens == 0
+            || !Self::counts_only(args)
+            || args.reserved_blocks > 0
+            || !self.noop_possible()
+        {
+            return false;
+        }
+        let t = TokenCounts::of(self, pool, req, args);
+        t.wm == 0
+            && self.groups.iter().enumerate().all(|(i, g)| {
+                self.running_step(i, g, req, &t)
+                    .is_some_and(|(count, s)| count <= 0 && s.want <= s.have && !s.fills)
+            })
+    }
+
     /// `allocate_slots` for a request running in every group without hits or external
     /// tokens: the general path's decisions with one table lookup per group, each group's
     /// counts from [`SingleTypeManager::running_growth`]. `Ok(None)`: not running, or a group
@@ -1124,15 +1207,11 @@ impl Coordinator {
         let TokenCounts {
             total,
             wm,
-            main,
-            need_slot,
-            caching,
             to_cache,
             ..
         } = *t;
-        // One lookup per group: the slot (the first four groups through the caller's hints),
-        // the table length it grows to (skipping changes no table's length) and whether a
-        // block fills (the request's hash list is read only then: rarely).
+        // One lookup per group ([`Self::running_step`]; the first four groups through the
+        // caller's hints).
         let n = self.groups.len();
         if n > MAX_RUNNING_GROUPS {
             return Ok(None);
@@ -1141,38 +1220,12 @@ impl Coordinator {
         let mut need = 0i64;
         let mut fills = false;
         for (i, (g, step)) in self.groups.iter().zip(&mut steps).enumerate() {
-            // A stale hint is refreshed now (the entry outlives this call).
-            let Some(slot) = g.tables.resolve_cell(req.id, req.hints.get(i)) else {
-                return Ok(None);
-            };
-            let e = g.tables.at_slot(slot);
-            let Some(cached) = e.num_cached else {
-                return Ok(None);
-            };
-            let have = e.blocks.len();
-            let Some((count, want)) = g.running_growth(have, need_slot, main) else {
+            let Some((count, s)) = self.running_step(i, g, req, t) else {
                 return Ok(None);
             };
             need = need.saturating_add(count);
-            // `cached < len / block_size`, without the division.
-            let cache_len = if caching {
-                self.cache_length(i, to_cache)
-            } else {
-                0
-            };
-            let step_fills = caching
-                && cached
-                    .checked_add(1)
-                    .and_then(|c| c.checked_mul(g.block_size()))
-                    .is_some_and(|t| t <= cache_len);
-            fills |= step_fills;
-            *step = RunningStep {
-                slot,
-                have,
-                want,
-                cache_len,
-                fills: step_fills,
-            };
+            fills |= s.fills;
+            *step = s;
         }
         let steps = &steps[..n];
         // A count short of what the groups take (Mamba's) may pass the check after the frees
@@ -1252,10 +1305,7 @@ impl Coordinator {
         }
         // A running request's call that names only token counts (every decode step) is
         // served by the running path; the rest of the rules are out of line.
-        if args.new_computed_blocks.is_none()
-            && args.num_external_computed_tokens == 0
-            && !args.full_sequence_must_fit
-        {
+        if Self::counts_only(&args) {
             let t = TokenCounts::of(self, pool, &req, &args);
             let reborrowed = HashSource {
                 len: &mut *hashes.len,

@@ -246,6 +246,8 @@ struct Inner {
     watermark: bool,
     /// Whether `allocate_slots` reads `num_prompt_tokens` (R-SWA, the retention masks).
     reads_prompt: bool,
+    /// The coordinator's [`Coordinator::noop_possible`] (fixed by its configuration).
+    noop_possible: bool,
     /// Per group, whether MGR-26 clips its block list.
     clip: Vec<bool>,
     /// The request class read from its instance dict ([`crate::plain`]), if one is registered.
@@ -444,6 +446,16 @@ impl Inner {
             waiting_or_preempted,
             hints,
         };
+        // Most decode calls change nothing: answered before anything a call that does needs
+        // is gathered. (A duck-typed request's hash list is read first below, as for any call,
+        // so that a missing one raises alike.)
+        if self.noop_possible && (!matches!(fields, Fields::Attrs(_)) || request_core.is_some()) {
+            let core = self.lock(py)?;
+            let pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
+            if core.allocate_is_noop(pool.core(), &view, &args) {
+                return Ok(Some(Flat::empty(core.groups.len())));
+            }
+        }
         // A kvcore Request's native copy of its hashes, when it matches the list; checked only
         // when a block fills (the list's header is then read once).
         let mirror_cell: std::cell::OnceCell<Option<&[BlockHash]>> = std::cell::OnceCell::new();
@@ -728,6 +740,7 @@ impl PyManagerCore {
             .map(|(cls, tokens)| PlainClass::new(&cls, &tokens))
             .transpose()?;
         let reads_prompt = core.reads_prompt_len();
+        let noop_possible = core.noop_possible();
         let num_groups = core.num_groups();
         let empty_blocks = empty.getattr(py, intern!(py, "blocks"))?;
         let inner = Inner {
@@ -744,6 +757,7 @@ impl PyManagerCore {
             min_block_size,
             watermark: watermark_blocks > 0,
             reads_prompt,
+            noop_possible,
             clip,
             plain,
             plain_hints: PlainHints::new(),

@@ -290,10 +290,11 @@ const INLINE_HINTS: usize = 4;
 /// One plain request's slot hints, table key and id (kept alive).
 #[repr(C)]
 pub(crate) struct PlainEntry {
+    /// The id's table key (`crate::args::id_key`): first, so that its pointer and length share
+    /// the reference counts' cache line with the first group's hint.
+    pub(crate) key: String,
     /// One hint cell per group, the first [`INLINE_HINTS`] groups.
     pub(crate) hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
-    /// The id's table key (`crate::args::id_key`).
-    pub(crate) key: String,
     id: Py<PyString>,
 }
 
