@@ -779,3 +779,86 @@ fn new_blocks_spill_keeps_every_range() {
     assert_ne!(spilled, NewBlocks::default());
     assert!(NewBlocks::default().is_empty());
 }
+
+/// `allocate_is_noop` holds exactly for the running calls that allocate nothing and change
+/// nothing: checked against `allocate_slots` itself over decode steps (with lookahead and
+/// multi-token steps) in configurations without skipping groups (every skipping kind rules
+/// no-ops out), caching on and off.
+#[test]
+fn a_noop_call_changes_nothing() {
+    let hashes: Vec<BlockHash> = (1..=60).map(h).collect();
+    // One group, and two full-attention groups under the hybrid rules (Hybrid's cache length).
+    let kinds = [None, Some(Kind::Full)];
+    for kind in kinds {
+        for caching in [true, false] {
+            let mut p = BlockPool::new(200, caching, 16, false).unwrap();
+            let mut m = match kind {
+                None => unitary(&mut p, 1024, 0, false),
+                Some(k) => full_and(k, &mut p, 1024),
+            };
+            assert!(m.noop_possible());
+            assert!(alloc(&mut m, &mut p, req("a", 0, 40), new_tokens(40), &hashes).is_some());
+            m.new_step_starts();
+            let (mut noops, mut others) = (0, 0);
+            let mut computed = 40;
+            for step in 0..120 {
+                let n = if step % 11 == 5 { 3 } else { 1 };
+                let lookahead = if step % 7 == 3 { 2 } else { 0 };
+                let mut r = req("a", computed, computed + n);
+                r.waiting_or_preempted = false;
+                r.num_prompt_tokens = 40;
+                let args = AllocateArgs {
+                    num_lookahead_tokens: lookahead,
+                    ..new_tokens(n)
+                };
+                let noop = m.allocate_is_noop(&p, &r, &args);
+                let groups = m.groups.len();
+                let tables = |m: &Coordinator| -> Vec<Vec<BlockId>> {
+                    (0..groups)
+                        .map(|g| m.groups[g].blocks("a").to_vec())
+                        .collect()
+                };
+                let state = |m: &Coordinator, p: &BlockPool| {
+                    (tables(m), p.all_free_block_ids(), p.num_cached_keys())
+                };
+                let before = state(&m, &p);
+                let new = alloc(&mut m, &mut p, r, args, &hashes).expect("fits");
+                let after = state(&m, &p);
+                if noop {
+                    noops += 1;
+                    assert!(new.iter().all(Vec::is_empty), "{kind:?} step {step}");
+                    assert_eq!(before, after, "{kind:?} step {step}");
+                } else {
+                    others += 1;
+                }
+                m.new_step_starts();
+                computed += n;
+            }
+            // Without caching the tables keep no cached counts: every call takes the general
+            // rules, and none is answered early.
+            if caching {
+                assert!(
+                    noops > 60 && others > 5,
+                    "{kind:?}: {noops} noops, {others} others"
+                );
+            }
+        }
+    }
+    // A zero-token call is invalid, not a no-op; skipping groups rule no-ops out.
+    let mut p = BlockPool::new(200, true, 16, false).unwrap();
+    let mut m = unitary(&mut p, 1024, 0, false);
+    assert!(alloc(&mut m, &mut p, req("a", 0, 40), new_tokens(40), &hashes).is_some());
+    let mut r = req("a", 40, 41);
+    r.waiting_or_preempted = false;
+    assert!(!m.allocate_is_noop(&p, &r, &new_tokens(0)));
+    for kind in [
+        Kind::SlidingWindow { window: 32 },
+        Kind::Mamba {
+            mode: MambaMode::None,
+            num_speculative_blocks: 0,
+        },
+    ] {
+        let mut p = BlockPool::new(200, true, 16, false).unwrap();
+        assert!(!full_and(kind, &mut p, 1024).noop_possible());
+    }
+}
