@@ -447,10 +447,15 @@ impl Inner {
             hints,
         };
         // Most decode calls change nothing: answered before anything a call that does needs
-        // is gathered. (A duck-typed request's hash list is read first below, as for any call,
-        // so that a missing one raises alike.)
-        if self.noop_possible && (!matches!(fields, Fields::Attrs(_)) || request_core.is_some()) {
+        // is gathered. (Any other duck-typed request takes the whole path: its hash list is
+        // read first below, as on every call, so that a missing one raises alike.)
+        let early =
+            self.noop_possible && (!matches!(fields, Fields::Attrs(_)) || request_core.is_some());
+        if early {
             let core = self.lock(py)?;
+            if let Some((list, i)) = next {
+                self.prefetch_next(&core, list, i);
+            }
             let pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
             if core.allocate_is_noop(pool.core(), &view, &args) {
                 return Ok(Some(Flat::empty(core.groups.len())));
@@ -510,7 +515,8 @@ impl Inner {
             fetch()?;
         }
         let mut core = self.lock(py)?;
-        if let Some((list, i)) = next {
+        // (Prefetched above already when the no-op test ran.)
+        if let Some((list, i)) = next.filter(|_| !early) {
             self.prefetch_next(&core, list, i);
         }
         let mut pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
