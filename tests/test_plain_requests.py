@@ -352,3 +352,86 @@ def test_plain_request_hints_stay_bounded() -> None:
         mgr.free(req)
     assert 0 < mgr._num_plain_hints <= 2048
     assert mgr.block_pool.get_num_free_blocks() == 47
+
+
+def test_a_call_made_while_the_hint_map_is_held_reads_the_id() -> None:
+    """A plain request's call holds its entry in the manager's hint map for the call. A call
+    made meanwhile (here a garbage-collector callback, run while a salted request's event
+    fields are copied) finds the map held, reads its request's id instead, and gets what it
+    would have got before the other call: the same blocks, tables and events."""
+    import gc
+
+    from kvcore import InvariantViolationError
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def admitted(mgr: KVCacheManager) -> tuple[Any, Any]:
+        a: Any = PlainRequest("a", list(range(7)), hasher)
+        a.cache_salt = "salt"  # its event fields are copied: Python objects made mid-call
+        b: Any = PlainRequest("b", list(range(20, 26)), hasher)
+        for req in (a, b):
+            assert mgr.allocate_slots(req, req.num_tokens) is not None
+            req.num_computed_tokens = req.num_tokens
+            req.status = RUNNING
+            req.append(9)
+        return a, b
+
+    def manager() -> KVCacheManager:
+        return PlainManager(
+            config(False),
+            max_model_len=256,
+            scheduler_block_size=BLOCK,
+            hash_block_size=BLOCK,
+            enable_kv_cache_events=True,
+        )
+
+    def step(mgr: KVCacheManager, req: Any) -> Any:
+        got = mgr.allocate_slots(req, 1)
+        assert got is not None
+        req.num_computed_tokens += 1
+        req.append(9)
+        return got.get_block_ids()
+
+    def state(mgr: KVCacheManager) -> Any:
+        events = [(type(e).__name__, getattr(e, "block_hashes", None)) for e in mgr.take_events()]
+        return mgr.get_block_ids("a"), mgr.get_block_ids("b"), events
+
+    mgr = manager()
+    a, b = admitted(mgr)
+    inner: list[Any] = []  # (a's step during which b's call ran, b's new blocks)
+    at = [0]
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase != "start" or inner:
+            return
+        try:
+            _ = mgr._num_plain_hints  # raises while this thread's call holds the map
+        except InvariantViolationError:  # inside a plain request's call: the map is held
+            inner.append((at[0], step(mgr, b)))
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(callback)
+    gc.set_threshold(1)
+    try:
+        outer = []
+        for i in range(8):
+            at[0] = i
+            outer.append(step(mgr, a))
+    finally:
+        gc.callbacks.remove(callback)
+        gc.set_threshold(*threshold)
+    assert len(inner) == 1, "no collection ran inside a plain request's call"
+    during, b_blocks = inner[0]
+
+    # The same calls in the order they took effect: b's before the a step it ran inside.
+    ref = manager()
+    a2, b2 = admitted(ref)
+    ref_outer = []
+    for i in range(8):
+        if i == during:
+            assert step(ref, b2) == b_blocks
+        ref_outer.append(step(ref, a2))
+    assert outer == ref_outer
+    assert state(mgr) == state(ref)
+    mgr.check_invariants()

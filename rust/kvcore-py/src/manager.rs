@@ -146,9 +146,9 @@ fn group_config(
 }
 
 /// Where a duck-typed request's table key comes from: a plain request's kept entry (key and
-/// hints), or any other request's `request_id` str.
-enum IdSource<'py> {
-    Plain(std::sync::Arc<crate::plain::PlainEntry>),
+/// hints, held in place for the call), or any other request's `request_id` str.
+enum IdSource<'a, 'py> {
+    Plain(crate::sync::Held<'a, crate::plain::PlainEntry>),
     Str(Bound<'py, PyString>),
 }
 
@@ -402,12 +402,14 @@ impl Inner {
                 )
             } else {
                 // A plain request's key and hints are kept by the address of its id str
-                // (read, not checked, when known: `PlainHints::entry`).
+                // (read, not checked, when known: `PlainHints::entry`), unless another call
+                // holds them.
                 id_src = if matches!(fields, Fields::Plain(_)) {
-                    IdSource::Plain(
-                        self.plain_hints
-                            .entry(&fields.get(intern!(py, "request_id"))?)?,
-                    )
+                    let id = fields.get(intern!(py, "request_id"))?;
+                    match self.plain_hints.entry(&id)? {
+                        Some(entry) => IdSource::Plain(entry),
+                        None => IdSource::Str(request_id_of(&id)?.clone()),
+                    }
                 } else {
                     IdSource::Str(fields.request_id()?)
                 };
@@ -1355,8 +1357,8 @@ impl PyManagerCore {
 
     /// How many plain requests' table keys and hints the manager keeps ([`PlainHints`]).
     #[getter]
-    fn _num_plain_hints(&self) -> PyResult<usize> {
-        Ok(self.me()?.plain_hints.len())
+    fn _num_plain_hints(&self, py: Python<'_>) -> PyResult<usize> {
+        self.me()?.plain_hints.len(py)
     }
 }
 

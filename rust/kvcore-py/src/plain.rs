@@ -20,6 +20,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use crate::args::{count_of, request_id_of};
 use crate::errors::invalid;
 use crate::pool::get_opt;
+use crate::sync::{lock_cell, try_lock_cell, GilCell, Held};
 
 /// The attributes the manager reads from a request (besides `num_tokens`).
 fn field_names(py: Python<'_>) -> [&Bound<'_, PyString>; 13] {
@@ -277,21 +278,30 @@ impl<'a, 'py> Fields<'a, 'py> {
 /// exactly that id. The hints are only hints (the tables check a hint's slot generation), so a
 /// stale entry answers nothing wrong; entries go when their request is freed, and those whose
 /// id str nothing else holds are dropped when the map has grown (see [`PlainHints::entry`]).
+///
+/// The map is GIL-guarded state ([`GilCell`]) whose entries live in it: a call holds its
+/// request's entry in place for the call ([`PlainHints::entry`]). A call that finds the map
+/// held (another thread's call that let the GIL go, or a re-entrant one) does without it and
+/// reads the id, as for any duck-typed request.
 pub(crate) struct PlainHints {
-    map: std::sync::Mutex<hashbrown::HashMap<usize, std::sync::Arc<PlainEntry>>>,
-    /// The map's size that triggers the next sweep.
-    sweep_at: std::sync::atomic::AtomicUsize,
+    state: GilCell<PlainMap>,
 }
 
-/// Groups whose slot hints an entry keeps (inline, next to its reference counts, so that a
-/// decode call reads one line of it); the tables of further groups are found by id.
+struct PlainMap {
+    entries: hashbrown::HashMap<usize, PlainEntry>,
+    /// The map's size that triggers the next sweep.
+    sweep_at: usize,
+}
+
+/// Groups whose slot hints an entry keeps (inline, next to its table key, so that a decode call
+/// reads one line of it); the tables of further groups are found by id.
 const INLINE_HINTS: usize = 4;
 
 /// One plain request's slot hints, table key and id (kept alive).
 #[repr(C)]
 pub(crate) struct PlainEntry {
     /// The id's table key (`crate::args::id_key`): first, so that its pointer and length share
-    /// the reference counts' cache line with the first group's hint.
+    /// a cache line with the first group's hint.
     pub(crate) key: String,
     /// One hint cell per group, the first [`INLINE_HINTS`] groups.
     pub(crate) hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
@@ -305,21 +315,15 @@ impl PlainHints {
     /// An empty map.
     pub(crate) fn new() -> Self {
         Self {
-            map: std::sync::Mutex::default(),
-            sweep_at: std::sync::atomic::AtomicUsize::new(SWEEP_MIN),
+            state: GilCell::new(PlainMap {
+                entries: hashbrown::HashMap::new(),
+                sweep_at: SWEEP_MIN,
+            }),
         }
     }
 
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, hashbrown::HashMap<usize, std::sync::Arc<PlainEntry>>> {
-        // A panic while the map was held leaves it consistent (every update is one call).
-        self.map
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// The entry of the request whose `request_id` is `id`, made on first use.
+    /// The entry of the request whose `request_id` is `id`, made on first use and held in
+    /// place until dropped; `None` while the map is held by another call.
     ///
     /// An entry found by `id`'s address is `id`'s (the entry holds its str alive, so no other
     /// object has that address): the object is not read. A new entry is made only for a str
@@ -328,38 +332,48 @@ impl PlainHints {
     /// When the map has reached its sweep size, entries whose id str only the map still holds
     /// (their request is gone) are dropped first, and the next sweep size is twice what is
     /// left (at least [`SWEEP_MIN`]): the sweeps cost O(1) per entry made.
-    pub(crate) fn entry(&self, id: &Bound<'_, PyAny>) -> PyResult<std::sync::Arc<PlainEntry>> {
-        use std::sync::atomic::Ordering::Relaxed;
+    pub(crate) fn entry<'a>(
+        &'a self,
+        id: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Held<'a, PlainEntry>>> {
+        let py = id.py();
         let addr = id.as_ptr() as usize;
-        let mut map = self.lock();
-        if let Some(e) = map.get(&addr) {
-            return Ok(e.clone());
-        }
+        let Some(state) = try_lock_cell(py, &self.state) else {
+            return Ok(None);
+        };
+        let mut state = match state.filter_map(|s| s.entries.get_mut(&addr)) {
+            Ok(entry) => return Ok(Some(entry)),
+            Err(state) => state,
+        };
         let id = request_id_of(id)?;
         let key = crate::args::id_key(id)?.into_owned();
-        if map.len() >= self.sweep_at.load(Relaxed) {
-            let py = id.py();
-            map.retain(|_, e| e.id.get_refcnt(py) > 1);
-            self.sweep_at.store((2 * map.len()).max(SWEEP_MIN), Relaxed);
+        if state.entries.len() >= state.sweep_at {
+            state.entries.retain(|_, e| e.id.get_refcnt(py) > 1);
+            state.sweep_at = (2 * state.entries.len()).max(SWEEP_MIN);
         }
-        let entry = std::sync::Arc::new(PlainEntry {
-            hints: Default::default(),
+        let entry = PlainEntry {
             key,
+            hints: Default::default(),
             id: id.clone().unbind(),
-        });
-        map.insert(addr, entry.clone());
-        Ok(entry)
+        };
+        Ok(state
+            .filter_map(|s| Some(s.entries.entry(addr).insert(entry).into_mut()))
+            .ok())
     }
 
-    /// Drops the entry of `id`, if any (its request was freed).
+    /// Drops the entry of `id`, if any (its request was freed). Left for the sweep while the
+    /// map is held by another call (the entry's hints then only miss).
     pub(crate) fn forget(&self, id: &Bound<'_, PyString>) {
-        let removed = self.lock().remove(&(id.as_ptr() as usize));
+        let removed = try_lock_cell(id.py(), &self.state)
+            .and_then(|mut s| s.entries.remove(&(id.as_ptr() as usize)));
         // The id's reference is released after the map is.
         drop(removed);
     }
 
     /// How many entries the map holds.
-    pub(crate) fn len(&self) -> usize {
-        self.lock().len()
+    pub(crate) fn len(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock_cell(py, &self.state, "plain request map")?
+            .entries
+            .len())
     }
 }

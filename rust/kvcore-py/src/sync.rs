@@ -73,10 +73,38 @@ fn reentrant(what: &str) -> PyErr {
     )
 }
 
-/// The state of a [`GilCell`], held by this call until dropped.
+/// The state of a [`GilCell`] (or a part of it, [`Held::filter_map`]), held by this call until
+/// dropped.
 pub struct Held<'a, T> {
     value: RefMut<'a, T>,
-    owner: &'a Cell<usize>,
+    owner: Release<'a>,
+}
+
+/// Clears a [`GilCell`]'s owner when its state is let go (after the borrow itself, the field
+/// order of [`Held`]).
+struct Release<'a>(&'a Cell<usize>);
+
+impl Drop for Release<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        self.0.set(0);
+    }
+}
+
+impl<'a, T> Held<'a, T> {
+    /// The part of the state `f` picks, held as the whole was; the whole back when it picks
+    /// none.
+    #[inline]
+    pub fn filter_map<U>(
+        self,
+        f: impl FnOnce(&mut T) -> Option<&mut U>,
+    ) -> Result<Held<'a, U>, Self> {
+        let Held { value, owner } = self;
+        match RefMut::filter_map(value, f) {
+            Ok(value) => Ok(Held { value, owner }),
+            Err(value) => Err(Held { value, owner }),
+        }
+    }
 }
 
 impl<T> Deref for Held<'_, T> {
@@ -89,13 +117,6 @@ impl<T> Deref for Held<'_, T> {
 impl<T> DerefMut for Held<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
         &mut self.value
-    }
-}
-
-impl<T> Drop for Held<'_, T> {
-    #[inline]
-    fn drop(&mut self) {
-        self.owner.set(0);
     }
 }
 
@@ -122,7 +143,7 @@ pub fn lock_cell<'a, T>(py: Python<'_>, cell: &'a GilCell<T>, what: &str) -> PyR
             cell.owner.set(current_thread(py));
             return Ok(Held {
                 value,
-                owner: &cell.owner,
+                owner: Release(&cell.owner),
             });
         }
         if cell.owner.get() == current_thread(py) {
@@ -132,4 +153,16 @@ pub fn lock_cell<'a, T>(py: Python<'_>, cell: &'a GilCell<T>, what: &str) -> PyR
         // finish. Nothing of the cell is touched while the GIL is released.
         py.allow_threads(std::thread::yield_now);
     }
+}
+
+/// Holds `cell` when no call does, else `None` (another thread's call, or this thread's own
+/// further up the stack): for state a caller can do without, taking another way.
+#[inline]
+pub fn try_lock_cell<'a, T>(py: Python<'_>, cell: &'a GilCell<T>) -> Option<Held<'a, T>> {
+    let value = cell.value.try_borrow_mut().ok()?;
+    cell.owner.set(current_thread(py));
+    Some(Held {
+        value,
+        owner: Release(&cell.owner),
+    })
 }
