@@ -186,6 +186,14 @@ impl BlockTables {
         }
     }
 
+    /// The address of the slot `hint` names (0 when it names none of these tables'), for a
+    /// later prefetch.
+    pub fn slot_addr(&self, hint: Option<SlotHint>) -> usize {
+        hint.filter(|h| h.uid == self.uid)
+            .and_then(|h| self.slots.get(h.slot as usize))
+            .map_or(0, |s| std::ptr::from_ref(s) as usize)
+    }
+
     /// Prefetches the slot `hint` names (the first stage of a batch's pipeline).
     pub fn prefetch_slot(&self, hint: Option<SlotHint>) {
         if let Some(h) = hint.filter(|h| h.uid == self.uid) {

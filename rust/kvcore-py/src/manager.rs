@@ -389,6 +389,8 @@ impl Inner {
         let request_core = self.cast.borrow(request)?;
         let fields = self.fields(request);
         let id_src;
+        // Where a plain request's entry notes its table slot.
+        let mut slot_cell: Option<&std::cell::Cell<usize>> = None;
         let id_key_obj;
         // The table key and, where the request has them, its slot hints.
         let (id, hints, num_tokens, num_computed, status): (&str, &[HintCell], _, _, _) =
@@ -426,10 +428,13 @@ impl Inner {
                     0
                 };
                 let (key, hints): (&str, &[HintCell]) = match &id_src {
-                    IdSource::Plain(entry) => (
-                        &entry.key,
-                        &entry.hints[..self.num_groups.min(entry.hints.len())],
-                    ),
+                    IdSource::Plain(entry) => {
+                        slot_cell = Some(&entry.slot_addr);
+                        (
+                            &entry.key,
+                            &entry.hints[..self.num_groups.min(entry.hints.len())],
+                        )
+                    }
                     IdSource::Str(id) => {
                         id_key_obj = id_key(id)?;
                         (&id_key_obj, &[])
@@ -460,6 +465,7 @@ impl Inner {
             }
             let pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
             if core.allocate_is_noop(pool.core(), &view, &args) {
+                Self::note_slot(&core, slot_cell, hints);
                 return Ok(Some(Flat::empty(core.groups.len())));
             }
         }
@@ -538,11 +544,22 @@ impl Inner {
         };
         // The call refreshed the request's hints.
         let hint = hints.first().and_then(HintCell::get);
+        Self::note_slot(&core, slot_cell, hints);
         // Most decode steps allocate nothing: no table is read again then.
         if ranges.iter().all(|r| r.is_empty()) {
             return Ok(Some(Flat::empty(core.groups.len())));
         }
         Ok(Some(Self::new_ids(&core, id, hint, &ranges)))
+    }
+
+    /// Notes where a plain request's first-group table slot is (its hint's), for the call before
+    /// it to prefetch next step ([`crate::plain::PlainHints::entry`]).
+    #[inline]
+    fn note_slot(core: &Coordinator, cell: Option<&std::cell::Cell<usize>>, hints: &[HintCell]) {
+        if let Some(cell) = cell {
+            let hint = hints.first().and_then(HintCell::get);
+            cell.set(core.groups[0].tables.slot_addr(hint));
+        }
     }
 
     /// The new ids of an allocation: `ranges` of the request's tables, copied out.

@@ -280,7 +280,11 @@ impl<'a, 'py> Fields<'a, 'py> {
 /// id str nothing else holds are dropped when the map has grown (see [`PlainHints::entry`]).
 ///
 /// The map is GIL-guarded state ([`GilCell`]) whose entries live in it: a call holds its
-/// request's entry in place for the call ([`PlainHints::entry`]). A call that finds the map
+/// request's entry in place for the call ([`PlainHints::entry`]). A scheduler calls its running
+/// requests in the same order every step, so each entry also notes where the next call's
+/// entry and table slot were last time, and those lines are prefetched when it is found: they
+/// arrive while the scheduler's own code runs up to that call. The addresses are only ever
+/// prefetched (a stale one costs a useless fetch). A call that finds the map
 /// held (another thread's call that let the GIL go, or a re-entrant one) does without it and
 /// reads the id, as for any duck-typed request.
 pub(crate) struct PlainHints {
@@ -291,6 +295,8 @@ struct PlainMap {
     entries: hashbrown::HashMap<usize, PlainEntry>,
     /// The map's size that triggers the next sweep.
     sweep_at: usize,
+    /// The key of the entry found last.
+    prev: usize,
 }
 
 /// Groups whose slot hints an entry keeps (inline, next to its table key, so that a decode call
@@ -305,6 +311,12 @@ pub(crate) struct PlainEntry {
     pub(crate) key: String,
     /// One hint cell per group, the first [`INLINE_HINTS`] groups.
     pub(crate) hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
+    /// Where this entry's request's first-group table slot was on its last call.
+    pub(crate) slot_addr: std::cell::Cell<usize>,
+    /// The entry and slot addresses of the call that came after this entry's last time:
+    /// prefetched when this entry is found (a scheduler calls its running requests in the
+    /// same order every step). Hints for the cache only, never read.
+    next: std::cell::Cell<[usize; 2]>,
     id: Py<PyString>,
 }
 
@@ -318,6 +330,7 @@ impl PlainHints {
             state: GilCell::new(PlainMap {
                 entries: hashbrown::HashMap::new(),
                 sweep_at: SWEEP_MIN,
+                prev: 0,
             }),
         }
     }
@@ -338,9 +351,22 @@ impl PlainHints {
     ) -> PyResult<Option<Held<'a, PlainEntry>>> {
         let py = id.py();
         let addr = id.as_ptr() as usize;
-        let Some(state) = try_lock_cell(py, &self.state) else {
+        let Some(mut state) = try_lock_cell(py, &self.state) else {
             return Ok(None);
         };
+        // The pipeline across calls: this entry's successor of last step is fetched while
+        // the caller's scheduler works towards it, and this entry becomes the successor of the
+        // entry found before it.
+        let prev = std::mem::replace(&mut state.prev, addr);
+        if let Some(e) = state.entries.get(&addr) {
+            for a in e.next.get() {
+                kvcore_core::prefetch::prefetch(a as *const u8);
+            }
+            let here = [std::ptr::from_ref(e) as usize, e.slot_addr.get()];
+            if let Some(p) = state.entries.get(&prev).filter(|_| prev != addr) {
+                p.next.set(here);
+            }
+        }
         let mut state = match state.filter_map(|s| s.entries.get_mut(&addr)) {
             Ok(entry) => return Ok(Some(entry)),
             Err(state) => state,
@@ -354,6 +380,8 @@ impl PlainHints {
         let entry = PlainEntry {
             key,
             hints: Default::default(),
+            slot_addr: std::cell::Cell::new(0),
+            next: std::cell::Cell::new([0; 2]),
             id: id.clone().unbind(),
         };
         Ok(state
