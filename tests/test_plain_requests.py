@@ -75,6 +75,17 @@ def config(hybrid: bool) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=48, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
+def events_manager(hybrid: bool) -> KVCacheManager:
+    """A plain-class manager of `config(hybrid)` with KV events on."""
+    return PlainManager(
+        config(hybrid),
+        max_model_len=256,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_kv_cache_events=True,
+    )
+
+
 def outcome(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """The call's result, or its exception's class and message."""
     try:
@@ -155,13 +166,7 @@ def play(mgr: KVCacheManager, cls: type[PlainRequest], seed: int) -> list[Any]:
 @pytest.mark.parametrize("seed", range(4))
 def test_a_plain_request_reads_as_by_attribute(hybrid: bool, seed: int) -> None:
     def manager() -> KVCacheManager:
-        return PlainManager(
-            config(hybrid),
-            max_model_len=256,
-            scheduler_block_size=BLOCK,
-            hash_block_size=BLOCK,
-            enable_kv_cache_events=True,
-        )
+        return events_manager(hybrid)
 
     init_none_hash(sha256)
     plain = play(manager(), PlainRequest, seed)
@@ -378,13 +383,7 @@ def test_a_call_made_while_the_hint_map_is_held_reads_the_id() -> None:
         return a, b
 
     def manager() -> KVCacheManager:
-        return PlainManager(
-            config(False),
-            max_model_len=256,
-            scheduler_block_size=BLOCK,
-            hash_block_size=BLOCK,
-            enable_kv_cache_events=True,
-        )
+        return events_manager(False)
 
     def step(mgr: KVCacheManager, req: Any) -> Any:
         got = mgr.allocate_slots(req, 1)
