@@ -23,6 +23,7 @@ from kvcore import (
     KVCacheManager,
     SlidingWindowSpec,
 )
+from kvcore.events import BlockStored
 from kvcore.hashing import get_request_block_hasher, init_none_hash, sha256
 
 ATTN: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
@@ -433,4 +434,37 @@ def test_a_call_made_while_the_hint_map_is_held_reads_the_id() -> None:
         ref_outer.append(step(ref, a2))
     assert outer == ref_outer
     assert state(mgr) == state(ref)
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("cls", [PlainRequest, DuckRequest])
+def test_an_event_has_the_tokens_the_fill_saw(cls: type[PlainRequest]) -> None:
+    """A plain request's `BlockStored` carries a slice of its token list taken when the block
+    filled (the reference's slice): a later change of the list is not in it. A token that is
+    an int of another type (a bool) reads as its value, and one that is no int raises as on
+    the attribute path, nothing cached, its blocks freed with the request."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    mgr = events_manager(False)
+    req = cls("a", [5, 6, 7, 8, 9], hasher)
+    assert mgr.allocate_slots(req, 5) is not None
+    req._all_token_ids[0] = 40
+    (event,) = mgr.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.token_ids == [5, 6, 7, 8]
+    assert event.token_ids is not req._all_token_ids
+    flag = cls("flag", [1, 2, 3, 4], hasher)
+    flag._all_token_ids[3] = True
+    assert mgr.allocate_slots(flag, 4) is not None
+    (event,) = mgr.take_events()
+    assert event.token_ids == [1, 2, 3, 1]
+    bad = cls("bad", [11, 12, 13, 14], hasher)
+    bad._all_token_ids[2] = "x"  # type: ignore[call-overload]
+    usage = mgr.usage
+    with pytest.raises(TypeError):
+        mgr.allocate_slots(bad, 4)
+    assert mgr.take_events() == []
+    mgr.check_invariants()
+    mgr.free(bad)
+    assert mgr.usage == usage
     mgr.check_invariants()

@@ -448,7 +448,7 @@ type MetaSeen = ((usize, usize), Vec<(usize, usize)>, i64);
 
 fn meta_of(req: &MetaRequest<'_>) -> StoredMeta {
     StoredMeta {
-        token_ids: vec![req.token_range.0 as i64, req.token_range.1 as i64],
+        token_ids: vec![req.token_range.0 as i64, req.token_range.1 as i64].into(),
         lora_id: Some(req.first_mm_idx),
         lora_name: None,
         extra_keys: None,

@@ -224,13 +224,6 @@ class BlockPool:
     def evict_blocks(self, block_ids: Iterable[int]) -> None: ...
     def reset_prefix_cache(self) -> bool: ...
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
-    def _take_events_as(
-        self,
-        group_meta: Sequence[tuple[str, int | None]],
-        classes: tuple[type, type, type] | None = None,
-    ) -> tuple[list[Any], list[int]]:
-        """The events, ``BlockStored`` annotated from ``group_meta`` (MGR-24) and built as
-        ``classes`` when given; and the group ids ``group_meta`` lacks."""
     def record_block_ops(self, on: bool) -> None:
         """Starts or stops recording the operations a block-metrics collector follows."""
     def take_block_ops(self) -> list[tuple[int, int]]:
@@ -286,6 +279,7 @@ class KVCacheManagerCore:
         blocks_cls: type[KVCacheBlocks],
         empty: KVCacheBlocks,
         plain_request: tuple[type, str] | None = None,
+        event_classes: tuple[type, type, type] | None = None,
     ) -> None: ...
     def _computed_blocks(self, request: _ManagedRequest) -> tuple[KVCacheBlocks, int]: ...
     @property
@@ -325,6 +319,10 @@ class KVCacheManagerCore:
     ) -> list[tuple[list[int], ...] | None]:
         """``allocate_slots(r, n, num_lookahead_tokens=...)`` for each pair in order, stopping
         at the first request that does not fit: each result is its ``get_block_ids(allow_none)``."""
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """The pool's events in emission order, each ``BlockStored`` with its group's spec kind
+        and window from ``kv_cache_event_metadata`` (MGR-24), built as the ``event_classes``
+        given to ``_init_core``."""
     def free(self, request: _ManagedRequest) -> None:
         """Frees the request's blocks, group by group, tail first (MGR-20; its retention
         attributes, when it has them: CC-1)."""

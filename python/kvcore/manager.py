@@ -31,7 +31,6 @@ from kvcore._native import BlockPool, KVCacheManagerCore
 from kvcore.blocks import KVCacheBlocks
 from kvcore.coordinator import get_kv_cache_coordinator
 from kvcore.errors import InvalidConfigError
-from kvcore.events import KVCacheEvent
 from kvcore.specs import (
     FullAttentionSpec,
     get_kv_cache_spec_kind,
@@ -116,8 +115,8 @@ class KVCacheManager(KVCacheManagerCore):
     configuration: :meth:`allocate_slots`, :meth:`allocate_slots_batch`, :meth:`free`,
     :meth:`pop_blocks_for_free`, :meth:`get_blocks`, :meth:`get_block_ids`,
     :meth:`get_block_ids_for_computed_tokens`, :meth:`get_num_common_prefix_blocks`,
-    :meth:`cache_blocks`, :meth:`remove_skipped_blocks`, :meth:`take_new_block_ids` and
-    :meth:`new_step_starts`. The methods below are the ones with Python state (stats, events'
+    :meth:`cache_blocks`, :meth:`remove_skipped_blocks`, :meth:`take_new_block_ids`,
+    :meth:`take_events` and :meth:`new_step_starts`. The methods below are the ones with Python state (stats, events'
     group metadata, cache control).
 
     Attributes:
@@ -270,6 +269,7 @@ class KVCacheManager(KVCacheManagerCore):
             KVCacheBlocks,
             self.empty_kv_cache_blocks,
             self._plain_request_class,
+            self._event_classes,
         )
         self.coordinator.bind(self)
         # After the core's configuration checks, as the reference checks COORD-2 first.
@@ -281,7 +281,6 @@ class KVCacheManager(KVCacheManagerCore):
         """The pool usage in [0, 1] (MGR-4, POOL-3)."""
         return self.block_pool.get_usage()
 
-    @_serialized
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Hands back the current stats and starts fresh ones (MGR-30).
 
@@ -290,8 +289,11 @@ class KVCacheManager(KVCacheManagerCore):
         """
         if not self.log_stats:
             return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = self._stats_class()
+        fresh = self._stats_class()
+        # The swap only is serialised (with the lookups that record into the stats).
+        with self._lock:
+            stats = self.prefix_cache_stats
+            self.prefix_cache_stats = fresh
         return stats
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -451,22 +453,6 @@ class KVCacheManager(KVCacheManagerCore):
         """How many blocks are pinned now (CC-5)."""
         self.block_pool.expire()
         return self.block_pool.num_pinned_blocks
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """Takes the pool's events, annotating ``BlockStored`` with the group kind (MGR-24).
-
-        Not serialised by the manager's lock: the pool hands each event to one caller only,
-        and the metadata read here never changes.
-
-        Returns:
-            The events in emission order.
-        """
-        events, unknown = self.block_pool._take_events_as(
-            self.kv_cache_event_metadata, self._event_classes
-        )
-        for gid in unknown:
-            logger.warning("Group index %s not in KV cache metadata", gid)
-        return events
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[int], ...]) -> KVCacheBlocks:
         """Wraps per-group ids; the shared empty instance when all are empty (MGR-3).

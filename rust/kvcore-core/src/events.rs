@@ -4,14 +4,71 @@
 //! bindings turn them into the reference's Python event classes (applying EVT-2's integer form)
 //! and the manager fills in the spec kind and sliding window (MGR-24).
 
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
 use crate::hash::BlockHash;
 use crate::value::Value;
+
+/// The token ids of a `BlockStored` event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenIds {
+    /// The ids themselves.
+    Ids(Vec<i64>),
+    /// An object the caller made of them, which the core carries to the event unread (the
+    /// Python bindings keep the slice of a request's own token list, as the reference does).
+    Carried(Carried),
+}
+
+impl Default for TokenIds {
+    fn default() -> Self {
+        Self::Ids(Vec::new())
+    }
+}
+
+impl From<Vec<i64>> for TokenIds {
+    fn from(ids: Vec<i64>) -> Self {
+        Self::Ids(ids)
+    }
+}
+
+/// A caller's object carried by the core without being read; equal only to itself.
+#[derive(Clone)]
+pub struct Carried(Arc<dyn Any + Send + Sync>);
+
+impl Carried {
+    /// Wraps `value`.
+    pub fn new<T: Any + Send + Sync>(value: T) -> Self {
+        Self(Arc::new(value))
+    }
+
+    /// The value, when it is a `T`.
+    #[must_use]
+    pub fn get<T: Any>(&self) -> Option<&T> {
+        self.0.downcast_ref()
+    }
+}
+
+impl PartialEq for Carried {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Carried {}
+
+impl fmt::Debug for Carried {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Carried(..)")
+    }
+}
 
 /// Per-call metadata of a `BlockStored` event that comes from the request.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StoredMeta {
     /// Token ids covered by the stored blocks (skipped blocks included, SPEC POOL-17).
-    pub token_ids: Vec<i64>,
+    pub token_ids: TokenIds,
     /// `lora_request.adapter_id`, if any.
     pub lora_id: Option<i64>,
     /// `lora_request.name`, if any.

@@ -6,6 +6,8 @@ use kvcore_core::value::Value;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
+use crate::pool::token_ids_to_py;
+
 const MEDIUM_GPU: &str = "GPU";
 
 /// Reads `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` the way the reference does (SPEC EVT-2): unset
@@ -372,11 +374,11 @@ impl AllBlocksCleared {
 
 /// How [`events_to_py`] builds the Python events.
 #[derive(Default)]
-pub struct EventStyle<'a, 'py> {
+pub struct EventStyle<'a> {
     /// `None`: kvcore's own classes. Else the `(BlockStored, BlockRemoved, AllBlocksCleared)`
     /// classes to call with the same fields, positionally in the same order (`kvcore.vllm`
     /// passes vLLM's `vllm.distributed.kv_events` structs, which its publisher encodes).
-    pub classes: Option<&'a [Bound<'py, PyAny>; 3]>,
+    pub classes: Option<&'a [PyObject; 3]>,
     /// Per group, a `BlockStored`'s `(kv_cache_spec_kind, kv_cache_spec_sliding_window)`
     /// (SPEC MGR-24); `None`: both left None.
     pub group_meta: Option<&'a [(PyObject, PyObject)]>,
@@ -414,7 +416,7 @@ pub fn events_to_py(
     py: Python<'_>,
     events: Vec<KvEvent>,
     as_int: bool,
-    style: &EventStyle<'_, '_>,
+    style: &EventStyle<'_>,
 ) -> PyResult<(Py<PyList>, Vec<u32>)> {
     let out = PyList::empty(py);
     let mut unknown = Vec::new();
@@ -465,7 +467,7 @@ pub fn events_to_py(
                 let values: [Bound<'_, PyAny>; 11] = [
                     hashes.into_any(),
                     parent,
-                    PyList::new(py, &meta.token_ids)?.into_any(),
+                    token_ids_to_py(py, &meta.token_ids)?,
                     block_size.into_pyobject(py)?.into_any(),
                     match meta.lora_id {
                         Some(v) => v.into_pyobject(py)?.into_any(),
@@ -481,7 +483,7 @@ pub fn events_to_py(
                     kind,
                     window,
                 ];
-                let cls = style.classes.map(|[c, _, _]| c);
+                let cls = style.classes.map(|[c, _, _]| c.bind(py));
                 build(py, cls, values, BlockStored::from_values)?
             }
             KvEvent::BlockRemoved {
@@ -494,7 +496,7 @@ pub fn events_to_py(
                     medium.clone(),
                     group_idx.into_pyobject(py)?.into_any(),
                 ];
-                let cls = style.classes.map(|[_, c, _]| c);
+                let cls = style.classes.map(|[_, c, _]| c.bind(py));
                 build(py, cls, values, |[block_hashes, medium, group_idx]| {
                     BlockRemoved {
                         block_hashes,
@@ -510,7 +512,7 @@ pub fn events_to_py(
                 )?
                 .into_bound(py)
                 .into_any(),
-                Some([_, _, cls]) => cls.call0()?,
+                Some([_, _, cls]) => cls.bind(py).call0()?,
             },
         };
         out.append(obj)?;

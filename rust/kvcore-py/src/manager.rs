@@ -24,6 +24,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use crate::args::{count_of, counts_of, id_key, request_id_of, Count, Flag};
 use crate::errors::{invalid, to_pyerr, Error};
+use crate::events::EventStyle;
 use crate::plain::{Fields, PlainClass, PlainHints};
 use crate::pool::{
     extract_ids, list_or_copy, request_retention, stored_meta, to_hash, tokens_only_meta,
@@ -254,6 +255,18 @@ struct Inner {
     plain: Option<PlainClass>,
     /// Table keys and slot hints of that class's requests.
     plain_hints: PlainHints,
+    /// The classes `take_events` builds the events as (`None`: kvcore's own).
+    event_classes: Option<[PyObject; 3]>,
+}
+
+/// What [`Inner::answers_noop`] found.
+enum Noop {
+    /// The call is a no-op (answered: no new blocks).
+    Yes,
+    /// It is not (the batch's prefetch ran).
+    No,
+    /// Not known: the whole path decides.
+    Unknown,
 }
 
 /// Where a `BlockStored` event's request fields come from.
@@ -385,6 +398,17 @@ impl Inner {
         args: AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
     ) -> PyResult<Option<Flat>> {
+        // Most decode calls change nothing: answered before anything a call that does needs
+        // is gathered (any other duck-typed request takes the whole path: its hash list is
+        // read first below, as on every call, so that a missing one raises alike).
+        let mut prefetched = false;
+        if self.noop_possible {
+            match self.answers_noop(py, request, &args, next) {
+                Noop::Yes => return Ok(Some(Flat::empty(self.num_groups))),
+                Noop::No => prefetched = true,
+                Noop::Unknown => {}
+            }
+        }
         // A kvcore Request keeps these four fields in its native base: read them directly.
         let request_core = self.cast.borrow(request)?;
         let fields = self.fields(request);
@@ -453,22 +477,6 @@ impl Inner {
             waiting_or_preempted,
             hints,
         };
-        // Most decode calls change nothing: answered before anything a call that does needs
-        // is gathered. (Any other duck-typed request takes the whole path: its hash list is
-        // read first below, as on every call, so that a missing one raises alike.)
-        let early =
-            self.noop_possible && (!matches!(fields, Fields::Attrs(_)) || request_core.is_some());
-        if early {
-            let core = self.lock(py)?;
-            if let Some((list, i)) = next {
-                self.prefetch_next(&core, list, i);
-            }
-            let pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
-            if core.allocate_is_noop(pool.core(), &view, &args) {
-                Self::note_slot(&core, slot_cell, hints);
-                return Ok(Some(Flat::empty(core.groups.len())));
-            }
-        }
         // A kvcore Request's native copy of its hashes, when it matches the list; checked only
         // when a block fills (the list's header is then read once).
         let mirror_cell: std::cell::OnceCell<Option<&[BlockHash]>> = std::cell::OnceCell::new();
@@ -523,8 +531,8 @@ impl Inner {
             fetch()?;
         }
         let mut core = self.lock(py)?;
-        // (Prefetched above already when the no-op test ran.)
-        if let Some((list, i)) = next.filter(|_| !early) {
+        // (Prefetched already when the no-op test took the manager.)
+        if let Some((list, i)) = next.filter(|_| !prefetched) {
             self.prefetch_next(&core, list, i);
         }
         let mut pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
@@ -550,6 +558,84 @@ impl Inner {
             return Ok(Some(Flat::empty(core.groups.len())));
         }
         Ok(Some(Self::new_ids(&core, id, hint, &ranges)))
+    }
+
+    /// Whether the call is a no-op ([`Coordinator::allocate_is_noop`]), answered from the
+    /// fewest reads: a kvcore request's native fields, or a plain request's dict entries and
+    /// its entry in the hint map (refreshing its hints as a no-op call does). Anything unusual
+    /// (another kind of request, a field of another type, a watermark, the manager held) is
+    /// `Unknown`, left to the whole path, which reads the request again and raises any error:
+    /// nothing here raises or changes more than hints. Kept apart from that path so that a
+    /// decode call runs little code (most of a call's time in a scheduler's step is fetching
+    /// its code).
+    #[inline(never)]
+    fn answers_noop<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        args: &AllocateArgs<'_>,
+        next: Option<(&Bound<'py, PyList>, usize)>,
+    ) -> Noop {
+        if self.watermark && args.has_scheduled_reqs {
+            return Noop::Unknown;
+        }
+        let ask = |view: RequestView<'_>, slot: Option<&std::cell::Cell<usize>>| {
+            let Ok(core) = self.lock(py) else {
+                return Noop::Unknown;
+            };
+            if let Some((list, i)) = next {
+                self.prefetch_next(&core, list, i);
+            }
+            let Ok(pool) = lock_cell(py, self.pool(py).get().cell(), "pool") else {
+                return Noop::No;
+            };
+            if core.allocate_is_noop(pool.core(), &view, args) {
+                Self::note_slot(&core, slot, view.hints);
+                Noop::Yes
+            } else {
+                Noop::No
+            }
+        };
+        if let Some(plain) = self.plain.as_ref().and_then(|p| p.read(request)) {
+            let Some((id, computed, prompt)) = plain.decode_fields(self.reads_prompt) else {
+                return Noop::Unknown;
+            };
+            let Ok(Some(entry)) = self.plain_hints.entry(&id) else {
+                return Noop::Unknown;
+            };
+            let view = RequestView {
+                id: &entry.key,
+                num_computed_tokens: computed,
+                num_tokens: plain.num_tokens(),
+                num_prompt_tokens: prompt,
+                waiting_or_preempted: false,
+                hints: &entry.hints[..self.num_groups.min(entry.hints.len())],
+            };
+            return ask(view, Some(&entry.slot_addr));
+        }
+        let Ok(Some(c)) = self.cast.borrow(request) else {
+            return Noop::Unknown;
+        };
+        let (Ok(num_tokens), Ok(computed), Ok(prompt)) = (
+            usize::try_from(c.num_tokens),
+            usize::try_from(c.num_computed_tokens),
+            usize::try_from(if self.reads_prompt {
+                c.num_prompt_tokens
+            } else {
+                0
+            }),
+        ) else {
+            return Noop::Unknown;
+        };
+        let view = RequestView {
+            id: c.id.as_str(),
+            num_computed_tokens: computed,
+            num_tokens,
+            num_prompt_tokens: prompt,
+            waiting_or_preempted: false,
+            hints: &c.hints[..self.num_groups.min(c.hints.len())],
+        };
+        ask(view, None)
     }
 
     /// Notes where a plain request's first-group table slot is (its hint's), for the call before
@@ -634,6 +720,19 @@ impl Inner {
     }
 }
 
+/// Warns once per event whose group id the manager's metadata lacks (the reference's message).
+#[cold]
+#[inline(never)]
+fn log_unknown_groups(py: Python<'_>, groups: &[u32]) -> PyResult<()> {
+    let logger = py
+        .import("logging")?
+        .call_method1("getLogger", ("kvcore.manager",))?;
+    for gid in groups {
+        logger.call_method1("warning", ("Group index %s not in KV cache metadata", *gid))?;
+    }
+    Ok(())
+}
+
 fn count(v: i64, what: &str) -> PyResult<usize> {
     usize::try_from(v).map_err(|_| invalid(format!("{what} must be non-negative, got {v}")))
 }
@@ -673,7 +772,7 @@ impl PyManagerCore {
     /// Builds the coordinator (once). `groups`: per group `(kind, param, spec_block_size,
     /// record_new_block_ids, admission_cap)`; `attention_groups`: hybrid only, `(group_ids,
     /// use_eagle, is_full)` with the full-attention ones first.
-    #[pyo3(signature = (pool, mode, groups, eagle_groups, attention_groups, max_model_len, watermark_blocks, scheduler_block_size, retention_interval, dcp_world_size, pcp_world_size, clip, blocks_cls, empty, plain_request = None))]
+    #[pyo3(signature = (pool, mode, groups, eagle_groups, attention_groups, max_model_len, watermark_blocks, scheduler_block_size, retention_interval, dcp_world_size, pcp_world_size, clip, blocks_cls, empty, plain_request = None, event_classes = None))]
     #[allow(clippy::too_many_arguments)]
     fn _init_core(
         &self,
@@ -693,6 +792,7 @@ impl PyManagerCore {
         blocks_cls: PyObject,
         empty: PyObject,
         plain_request: Option<(Bound<'_, PyType>, Bound<'_, PyString>)>,
+        event_classes: Option<[PyObject; 3]>,
     ) -> PyResult<()> {
         if self.inner.get().is_some() {
             return Err(to_pyerr(PoolError::Invariant(
@@ -786,6 +886,7 @@ impl PyManagerCore {
             clip,
             plain,
             plain_hints: PlainHints::new(),
+            event_classes,
         };
         self.inner
             .set(inner)
@@ -1006,6 +1107,31 @@ impl PyManagerCore {
         let me = self.me()?;
         let core = me.lock(py)?;
         Inner::tuple_of(py, &core.block_ids_for_computed_tokens(&id, n, &me.clip))
+    }
+
+    /// The pool's events in emission order (SPEC MGR-24): each `BlockStored` carries the
+    /// spec kind and sliding window of its group from `self.kv_cache_event_metadata` (read
+    /// when there are events), and all are built as the classes given at construction
+    /// (kvcore's own by default). A group id the metadata has no entry for is logged and its
+    /// fields left None.
+    fn take_events(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<Py<PyList>> {
+        let me = slf.get().me()?;
+        let pool = me.pool(py);
+        if !PyBlockPool::has_pending_events(pool)? {
+            return Ok(PyList::empty(py).unbind());
+        }
+        let group_meta: Vec<(PyObject, PyObject)> = slf
+            .getattr(intern!(py, "kv_cache_event_metadata"))?
+            .extract()?;
+        let style = EventStyle {
+            classes: me.event_classes.as_ref(),
+            group_meta: Some(&group_meta),
+        };
+        let (events, unknown) = PyBlockPool::drain_events(pool, py, &style)?;
+        if !unknown.is_empty() {
+            log_unknown_groups(py, &unknown)?;
+        }
+        Ok(events)
     }
 
     /// SPEC MGR-22 / FA-2: one count per group.

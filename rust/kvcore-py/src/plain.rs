@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
-use crate::args::{count_of, request_id_of};
+use crate::args::{count_of, exact_int, request_id_of, COUNT_CAP};
 use crate::errors::invalid;
 use crate::pool::get_opt;
 use crate::sync::{lock_cell, try_lock_cell, GilCell, Held};
@@ -126,6 +126,34 @@ pub(crate) struct PlainRequest<'py> {
     request: Bound<'py, PyAny>,
     dict: Bound<'py, PyDict>,
     tokens: Bound<'py, PyList>,
+}
+
+impl<'py> PlainRequest<'py> {
+    /// What a decode call reads: `(request_id, num_computed_tokens, num_prompt_tokens)` (the
+    /// last 0 unless `prompt`), when the counts are exact ints in range (`count_of`'s rule
+    /// for them); `None` when a field is missing or of another type (the caller then reads
+    /// the request the general way, which raises the error).
+    #[inline]
+    pub(crate) fn decode_fields(&self, prompt: bool) -> Option<(Bound<'py, PyAny>, usize, usize)> {
+        let py = self.dict.py();
+        let count = |name: &Bound<'py, PyString>| -> Option<usize> {
+            exact_int(&self.dict.get_item(name).ok()??)?.count_capped(COUNT_CAP)
+        };
+        let id = self.dict.get_item(intern!(py, "request_id")).ok()??;
+        let computed = count(intern!(py, "num_computed_tokens"))?;
+        let prompt = if prompt {
+            count(intern!(py, "num_prompt_tokens"))?
+        } else {
+            0
+        };
+        Some((id, computed, prompt))
+    }
+
+    /// `num_tokens`: the token list's length.
+    #[inline]
+    pub(crate) fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
 }
 
 /// A request's fields, read by attribute lookup or from a plain request's dict.

@@ -3,7 +3,7 @@
 //! A block is its `int` id. Methods convert their arguments, call the core once and convert the
 //! result; a batch of ids crosses the boundary as one list.
 
-use kvcore_core::events::{MetaRequest, StoredMeta};
+use kvcore_core::events::{Carried, MetaRequest, StoredMeta, TokenIds};
 use kvcore_core::hash::BlockHash;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -178,7 +178,7 @@ pub fn stored_meta(
     } else {
         (None, None)
     };
-    let mut meta = tokens_meta(token_ids, req);
+    let mut meta = tokens_meta(token_ids.into(), req);
     meta.lora_id = lora_id;
     meta.lora_name = lora_name;
     if needs_extra_keys(py, request)? {
@@ -204,7 +204,7 @@ pub fn stored_meta(
 }
 
 /// The metadata of blocks of `token_ids` with no LoRA and no extra keys.
-pub(crate) fn tokens_meta(token_ids: Vec<i64>, req: &MetaRequest<'_>) -> StoredMeta {
+pub(crate) fn tokens_meta(token_ids: TokenIds, req: &MetaRequest<'_>) -> StoredMeta {
     let n = req.block_ranges.len();
     StoredMeta {
         token_ids,
@@ -215,18 +215,35 @@ pub(crate) fn tokens_meta(token_ids: Vec<i64>, req: &MetaRequest<'_>) -> StoredM
 }
 
 /// [`stored_meta`] for a request whose only event field is its token list
-/// ([`Fields::tokens_only`]): the range's tokens, sliced as the reference slices.
+/// ([`Fields::tokens_only`]): the range's tokens, sliced as the reference slices. The slice
+/// itself is carried to the event (its ints are not read, nor made again), once every item
+/// is checked to be an int as [`stored_meta`] would read it.
 pub(crate) fn tokens_only_meta(
     tokens: &Bound<'_, PyList>,
     req: &MetaRequest<'_>,
 ) -> PyResult<StoredMeta> {
     let (start, end) = req.token_range;
-    // Exact ints are read borrowed in one pass; anything else through pyo3's conversion.
-    let token_ids: Vec<i64> = match exact_i64s(tokens, start, end) {
-        Some(ids) => ids,
-        None => tokens.get_slice(start, end).extract()?,
-    };
-    Ok(tokens_meta(token_ids, req))
+    let slice = tokens.get_slice(start, end);
+    if !slice.iter().all(|t| t.is_exact_instance_of::<PyInt>()) {
+        // Anything else as `stored_meta` reads it (an int subclass, or the error).
+        let ids: Vec<i64> = slice.extract()?;
+        return Ok(tokens_meta(ids.into(), req));
+    }
+    Ok(tokens_meta(
+        TokenIds::Carried(Carried::new(slice.unbind())),
+        req,
+    ))
+}
+
+/// The token ids of an event: its carried list ([`tokens_only_meta`]) or a list of its ids.
+pub(crate) fn token_ids_to_py<'py>(py: Python<'py>, ids: &TokenIds) -> PyResult<Bound<'py, PyAny>> {
+    match ids {
+        TokenIds::Ids(v) => Ok(PyList::new(py, v)?.into_any()),
+        TokenIds::Carried(c) => c
+            .get::<Py<PyList>>()
+            .map(|l| l.bind(py).clone().into_any())
+            .ok_or_else(|| invalid("an event carries token ids the bindings did not make")),
+    }
 }
 
 /// A positive count.
@@ -279,6 +296,7 @@ pub fn register_extra_keys_fn(py: Python<'_>, func: PyObject) -> PyResult<()> {
 /// The part of `full` (the metadata of `full_range`, with one extra-key entry per range of
 /// `full_blocks`) that `req` describes: its token window and the extra keys of its blocks.
 fn sub_meta(
+    py: Python<'_>,
     full: &StoredMeta,
     full_range: (usize, usize),
     full_blocks: &[(usize, usize)],
@@ -289,11 +307,13 @@ fn sub_meta(
     }
     let lo = req.token_range.0.saturating_sub(full_range.0);
     let hi = req.token_range.1.saturating_sub(full_range.0);
-    let token_ids = full
-        .token_ids
-        .get(lo..hi.min(full.token_ids.len()))
-        .unwrap_or(&[])
-        .to_vec();
+    let token_ids = match &full.token_ids {
+        TokenIds::Ids(ids) => TokenIds::Ids(ids.get(lo..hi.min(ids.len())).unwrap_or(&[]).to_vec()),
+        TokenIds::Carried(c) => match c.get::<Py<PyList>>() {
+            Some(list) => TokenIds::Carried(Carried::new(list.bind(py).get_slice(lo, hi).unbind())),
+            None => TokenIds::Ids(Vec::new()),
+        },
+    };
     let extra_keys = full.extra_keys.as_ref().map(|keys| {
         full_blocks
             .iter()
@@ -351,11 +371,16 @@ pub struct PyBlockPool {
 }
 
 impl PyBlockPool {
+    /// Whether the pool has queued events.
+    pub(crate) fn has_pending_events(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(lock(slf, "pool")?.inner.has_pending_events())
+    }
+
     /// Drains the event queue into Python events ([`events_to_py`]).
-    fn drain_events(
+    pub(crate) fn drain_events(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
-        style: &EventStyle<'_, '_>,
+        style: &EventStyle<'_>,
     ) -> PyResult<(Py<PyList>, Vec<u32>)> {
         if !lock(slf, "pool")?.inner.has_pending_events() {
             return Ok((PyList::empty(py).unbind(), Vec::new()));
@@ -901,7 +926,7 @@ impl PyBlockPool {
             let full = meta_value
                 .as_ref()
                 .ok_or_else(|| invalid("event metadata was not read"))?;
-            Ok(sub_meta(full, full_range, &ranges, req))
+            Ok(sub_meta(py, full, full_range, &ranges, req))
         };
         let mut me = lock(slf, "pool")?;
         Ok(me.inner.cache_full_blocks::<Error>(
@@ -1168,24 +1193,6 @@ impl PyBlockPool {
 
     fn take_events(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<Py<PyList>> {
         Ok(Self::drain_events(slf, py, &EventStyle::default())?.0)
-    }
-
-    /// The queued events with each `BlockStored`'s `kv_cache_spec_*` fields taken from
-    /// `group_meta[group_idx]` (SPEC MGR-24), built as kvcore's classes or, with `classes`,
-    /// as `(BlockStored, BlockRemoved, AllBlocksCleared)` called with the same fields in the
-    /// same order (positionally); and the group ids `group_meta` has no entry for.
-    #[pyo3(signature = (group_meta, classes = None))]
-    fn _take_events_as(
-        slf: &Bound<'_, Self>,
-        py: Python<'_>,
-        group_meta: Vec<(PyObject, PyObject)>,
-        classes: Option<[Bound<'_, PyAny>; 3]>,
-    ) -> PyResult<(Py<PyList>, Vec<u32>)> {
-        let style = EventStyle {
-            classes: classes.as_ref(),
-            group_meta: Some(&group_meta),
-        };
-        Self::drain_events(slf, py, &style)
     }
 
     /// Starts or stops recording the operations a block-metrics collector follows.
