@@ -391,6 +391,7 @@ impl Inner {
     /// Python code), except its hash list's entries and, with events on, the fields an event
     /// carries, which the core asks for as it caches. `next` names the batch and the position
     /// of this request in it, to prefetch the following requests' state.
+    #[inline]
     fn allocate<'py>(
         &self,
         py: Python<'py>,
@@ -401,14 +402,28 @@ impl Inner {
         // Most decode calls change nothing: answered before anything a call that does needs
         // is gathered (any other duck-typed request takes the whole path: its hash list is
         // read first below, as on every call, so that a missing one raises alike).
-        let mut prefetched = false;
+        let mut next = next;
         if self.noop_possible {
             match self.answers_noop(py, request, &args, next) {
                 Noop::Yes => return Ok(Some(Flat::empty(self.num_groups))),
-                Noop::No => prefetched = true,
+                // The batch's prefetch ran.
+                Noop::No => next = None,
                 Noop::Unknown => {}
             }
         }
+        self.allocate_whole(py, request, args, next)
+    }
+
+    /// [`Self::allocate`] past the no-op answer: the request read the general way; `next`
+    /// the batch's pipeline, when it still has to run.
+    #[inline(never)]
+    fn allocate_whole<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        args: AllocateArgs<'_>,
+        next: Option<(&Bound<'py, PyList>, usize)>,
+    ) -> PyResult<Option<Flat>> {
         // A kvcore Request keeps these four fields in its native base: read them directly.
         let request_core = self.cast.borrow(request)?;
         let fields = self.fields(request);
@@ -531,8 +546,7 @@ impl Inner {
             fetch()?;
         }
         let mut core = self.lock(py)?;
-        // (Prefetched already when the no-op test took the manager.)
-        if let Some((list, i)) = next.filter(|_| !prefetched) {
+        if let Some((list, i)) = next {
             self.prefetch_next(&core, list, i);
         }
         let mut pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
@@ -579,63 +593,69 @@ impl Inner {
         if self.watermark && args.has_scheduled_reqs {
             return Noop::Unknown;
         }
-        let ask = |view: RequestView<'_>, slot: Option<&std::cell::Cell<usize>>| {
-            let Ok(core) = self.lock(py) else {
-                return Noop::Unknown;
-            };
-            if let Some((list, i)) = next {
-                self.prefetch_next(&core, list, i);
-            }
-            let Ok(pool) = lock_cell(py, self.pool(py).get().cell(), "pool") else {
-                return Noop::No;
-            };
-            if core.allocate_is_noop(pool.core(), &view, args) {
-                Self::note_slot(&core, slot, view.hints);
-                Noop::Yes
-            } else {
-                Noop::No
-            }
-        };
-        if let Some(plain) = self.plain.as_ref().and_then(|p| p.read(request)) {
+        // The request's fields, as the whole path reads them: a plain request's from its dict
+        // and its entry in the hint map, a kvcore request's from its native base.
+        let plain_entry;
+        let core_request;
+        let (view, slot) = if let Some(plain) = self.plain.as_ref().and_then(|p| p.read(request)) {
             let Some((id, computed, prompt)) = plain.decode_fields(self.reads_prompt) else {
                 return Noop::Unknown;
             };
             let Ok(Some(entry)) = self.plain_hints.entry(&id) else {
                 return Noop::Unknown;
             };
+            plain_entry = entry;
             let view = RequestView {
-                id: &entry.key,
+                id: &plain_entry.key,
                 num_computed_tokens: computed,
                 num_tokens: plain.num_tokens(),
                 num_prompt_tokens: prompt,
                 waiting_or_preempted: false,
-                hints: &entry.hints[..self.num_groups.min(entry.hints.len())],
+                hints: &plain_entry.hints[..self.num_groups.min(plain_entry.hints.len())],
             };
-            return ask(view, Some(&entry.slot_addr));
+            (view, Some(&plain_entry.slot_addr))
+        } else {
+            let Ok(Some(c)) = self.cast.borrow(request) else {
+                return Noop::Unknown;
+            };
+            core_request = c;
+            let c = &core_request;
+            let (Ok(num_tokens), Ok(computed), Ok(prompt)) = (
+                usize::try_from(c.num_tokens),
+                usize::try_from(c.num_computed_tokens),
+                usize::try_from(if self.reads_prompt {
+                    c.num_prompt_tokens
+                } else {
+                    0
+                }),
+            ) else {
+                return Noop::Unknown;
+            };
+            let view = RequestView {
+                id: c.id.as_str(),
+                num_computed_tokens: computed,
+                num_tokens,
+                num_prompt_tokens: prompt,
+                waiting_or_preempted: false,
+                hints: &c.hints[..self.num_groups.min(c.hints.len())],
+            };
+            (view, None)
+        };
+        let Ok(core) = self.lock(py) else {
+            return Noop::Unknown;
+        };
+        if let Some((list, i)) = next {
+            self.prefetch_next(&core, list, i);
         }
-        let Ok(Some(c)) = self.cast.borrow(request) else {
-            return Noop::Unknown;
+        let Ok(pool) = lock_cell(py, self.pool(py).get().cell(), "pool") else {
+            return Noop::No;
         };
-        let (Ok(num_tokens), Ok(computed), Ok(prompt)) = (
-            usize::try_from(c.num_tokens),
-            usize::try_from(c.num_computed_tokens),
-            usize::try_from(if self.reads_prompt {
-                c.num_prompt_tokens
-            } else {
-                0
-            }),
-        ) else {
-            return Noop::Unknown;
-        };
-        let view = RequestView {
-            id: c.id.as_str(),
-            num_computed_tokens: computed,
-            num_tokens,
-            num_prompt_tokens: prompt,
-            waiting_or_preempted: false,
-            hints: &c.hints[..self.num_groups.min(c.hints.len())],
-        };
-        ask(view, None)
+        if core.allocate_is_noop(pool.core(), &view, args) {
+            Self::note_slot(&core, slot, view.hints);
+            Noop::Yes
+        } else {
+            Noop::No
+        }
     }
 
     /// Notes where a plain request's first-group table slot is (its hint's), for the call before
@@ -680,6 +700,7 @@ impl Inner {
 
     /// `allocate_slots` with parsed arguments, as the Python caller sees it: the new blocks as
     /// a `KVCacheBlocks` (the shared empty one when there are none), or None.
+    #[inline]
     fn allocate_call(
         &self,
         py: Python<'_>,
