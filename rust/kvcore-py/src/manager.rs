@@ -708,7 +708,14 @@ impl Inner {
         args: AllocateArgs<'_>,
     ) -> PyResult<Option<PyObject>> {
         self.expire_due(py)?;
-        match self.allocate(py, request, args, None)? {
+        // The no-op answer first, as in `allocate` (the shared empty result needs no `Flat`).
+        if self.noop_possible {
+            match self.answers_noop(py, request, &args, None) {
+                Noop::Yes => return Ok(Some(self.empty.clone_ref(py))),
+                Noop::No | Noop::Unknown => {}
+            }
+        }
+        match self.allocate_whole(py, request, args, None)? {
             None => Ok(None),
             Some(flat) => Ok(Some(self.make_flat(py, &flat)?)),
         }
@@ -1644,10 +1651,13 @@ mod fast_entry {
         } else {
             #[allow(unsafe_code)]
             // SAFETY: for a METH_FASTCALL | METH_KEYWORDS method a non-NULL `kwnames` is a
-            // tuple of str, and the caller keeps it alive for the duration of the call.
+            // tuple of str (CPython's calling convention), which the caller keeps alive for
+            // the duration of the call; it is only borrowed here.
             let names = unsafe { pyo3::Borrowed::from_ptr(py, kwnames) };
-            let names = names.downcast::<PyTuple>().ok()?;
-            if names.len() != 1
+            #[allow(unsafe_code)]
+            // SAFETY: as above, `kwnames` is a tuple.
+            let names = unsafe { names.downcast_unchecked::<PyTuple>() };
+            if args.len() != 3
                 || !names
                     .get_borrowed_item(0)
                     .ok()?
@@ -1655,7 +1665,7 @@ mod fast_entry {
             {
                 return None;
             }
-            count(*args.get(2)?)?
+            count(args[2])?
         };
         Some((count(args[1])?, lookahead))
     }
@@ -1751,8 +1761,9 @@ mod fast_entry {
             // SAFETY: `args` points to `nargs` positional and `nkw` keyword values.
             unsafe { std::slice::from_raw_parts(args, nargs + nkw) }
         };
-        // SAFETY: `slf` is the live instance the method is called on.
-        let slf = unsafe { Bound::from_borrowed_ptr(py, slf) };
+        // SAFETY: `slf` is the live instance the method is called on, which the caller keeps
+        // alive for the duration of the call; it is only borrowed here.
+        let slf = unsafe { pyo3::Borrowed::from_ptr(py, slf) };
         let result = catch_unwind(AssertUnwindSafe(|| call(&slf, args, nargs, kwnames)))
             .unwrap_or_else(panicked);
         match result {
