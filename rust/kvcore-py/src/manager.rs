@@ -260,13 +260,23 @@ struct Inner {
 }
 
 /// What [`Inner::answers_noop`] found.
-enum Noop {
+enum Noop<'a, 'py> {
     /// The call is a no-op (answered: no new blocks).
     Yes,
-    /// It is not (the batch's prefetch ran).
-    No,
+    /// It is not (the batch's prefetch ran); a plain request's fields as read, which the
+    /// whole path takes instead of reading them again.
+    No(Option<PlainRead<'a, 'py>>),
     /// Not known: the whole path decides.
     Unknown,
+}
+
+/// A plain request's fields as [`Inner::answers_noop`] read them, its hint entry held.
+struct PlainRead<'a, 'py> {
+    plain: crate::plain::PlainRequest<'py>,
+    entry: crate::sync::Held<'a, crate::plain::PlainEntry>,
+    num_computed_tokens: usize,
+    /// 0 unless the configuration reads it (as [`Inner::num_prompt_tokens`]).
+    num_prompt_tokens: usize,
 }
 
 /// Where a `BlockStored` event's request fields come from.
@@ -402,20 +412,21 @@ impl Inner {
         // Most decode calls change nothing: answered before anything a call that does needs
         // is gathered (any other duck-typed request takes the whole path: its hash list is
         // read first below, as on every call, so that a missing one raises alike).
-        let mut next = next;
+        let (mut next, mut read) = (next, None);
         if self.noop_possible {
             match self.answers_noop(py, request, &args, next) {
                 Noop::Yes => return Ok(Some(Flat::empty(self.num_groups))),
                 // The batch's prefetch ran.
-                Noop::No => next = None,
+                Noop::No(r) => (next, read) = (None, r),
                 Noop::Unknown => {}
             }
         }
-        self.allocate_whole(py, request, args, next)
+        self.allocate_whole(py, request, args, next, read)
     }
 
-    /// [`Self::allocate`] past the no-op answer: the request read the general way; `next`
-    /// the batch's pipeline, when it still has to run.
+    /// [`Self::allocate`] past the no-op answer: the request read the general way (a plain
+    /// request's fields taken from `read` when the no-op question read them); `next` the
+    /// batch's pipeline, when it still has to run.
     #[inline(never)]
     fn allocate_whole<'py>(
         &self,
@@ -423,10 +434,22 @@ impl Inner {
         request: &Bound<'py, PyAny>,
         args: AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
+        read: Option<PlainRead<'_, 'py>>,
     ) -> PyResult<Option<Flat>> {
+        let (fields, read) = match read {
+            Some(r) => (
+                Fields::Plain(r.plain),
+                Some((r.entry, r.num_computed_tokens, r.num_prompt_tokens)),
+            ),
+            None => (self.fields(request), None),
+        };
         // A kvcore Request keeps these four fields in its native base: read them directly.
-        let request_core = self.cast.borrow(request)?;
-        let fields = self.fields(request);
+        let request_core = if read.is_some() {
+            None
+        } else {
+            self.cast.borrow(request)?
+        };
+        let mut known_prompt = None;
         let id_src;
         // Where a plain request's entry notes its table slot.
         let mut slot_cell: Option<&std::cell::Cell<usize>> = None;
@@ -445,7 +468,11 @@ impl Inner {
                 // A plain request's key and hints are kept by the address of its id str
                 // (read, not checked, when known: `PlainHints::entry`), unless another call
                 // holds them.
-                id_src = if matches!(fields, Fields::Plain(_)) {
+                let mut known_computed = None;
+                id_src = if let Some((entry, computed, prompt)) = read {
+                    (known_computed, known_prompt) = (Some(computed), Some(prompt));
+                    IdSource::Plain(entry)
+                } else if matches!(fields, Fields::Plain(_)) {
                     let id = fields.get(intern!(py, "request_id"))?;
                     match self.plain_hints.entry(&id)? {
                         Some(entry) => IdSource::Plain(entry),
@@ -455,10 +482,13 @@ impl Inner {
                     IdSource::Str(fields.request_id()?)
                 };
                 let num_tokens = fields.num_tokens()?;
-                let num_computed = count_of(
-                    &fields.get(intern!(py, "num_computed_tokens"))?,
-                    "num_computed_tokens",
-                )?;
+                let num_computed = match known_computed {
+                    Some(n) => n,
+                    None => count_of(
+                        &fields.get(intern!(py, "num_computed_tokens"))?,
+                        "num_computed_tokens",
+                    )?,
+                };
                 // The status only decides whether the watermark applies (MGR-1): unread
                 // without one.
                 let status: i64 = if args.has_scheduled_reqs && self.watermark {
@@ -481,7 +511,10 @@ impl Inner {
                 };
                 (key, hints, num_tokens, num_computed, status)
             };
-        let num_prompt_tokens = self.num_prompt_tokens(request_core.as_deref(), &fields)?;
+        let num_prompt_tokens = match known_prompt {
+            Some(n) => n,
+            None => self.num_prompt_tokens(request_core.as_deref(), &fields)?,
+        };
         let waiting_or_preempted =
             args.has_scheduled_reqs && (status == WAITING || status == PREEMPTED);
         let view = RequestView {
@@ -589,13 +622,15 @@ impl Inner {
         request: &Bound<'py, PyAny>,
         args: &AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
-    ) -> Noop {
+    ) -> Noop<'_, 'py> {
         if self.watermark && args.has_scheduled_reqs {
             return Noop::Unknown;
         }
         // The request's fields, as the whole path reads them: a plain request's from its dict
         // and its entry in the hint map, a kvcore request's from its native base.
-        let plain_entry;
+        let mut plain_entry = None;
+        let mut plain_request = None;
+        let mut plain_counts = (0, 0);
         let core_request;
         let (view, slot) = if let Some(plain) = self.plain.as_ref().and_then(|p| p.read(request)) {
             let Some((id, computed, prompt)) = plain.decode_fields(self.reads_prompt) else {
@@ -604,16 +639,18 @@ impl Inner {
             let Ok(Some(entry)) = self.plain_hints.entry(&id) else {
                 return Noop::Unknown;
             };
-            plain_entry = entry;
+            plain_counts = (computed, prompt);
+            let num_tokens = plain_request.insert(plain).num_tokens();
+            let entry = &**plain_entry.insert(entry);
             let view = RequestView {
-                id: &plain_entry.key,
+                id: &entry.key,
                 num_computed_tokens: computed,
-                num_tokens: plain.num_tokens(),
+                num_tokens,
                 num_prompt_tokens: prompt,
                 waiting_or_preempted: false,
-                hints: &plain_entry.hints[..self.num_groups.min(plain_entry.hints.len())],
+                hints: &entry.hints[..self.num_groups.min(entry.hints.len())],
             };
-            (view, Some(&plain_entry.slot_addr))
+            (view, Some(&entry.slot_addr))
         } else {
             let Ok(Some(c)) = self.cast.borrow(request) else {
                 return Noop::Unknown;
@@ -647,15 +684,23 @@ impl Inner {
         if let Some((list, i)) = next {
             self.prefetch_next(&core, list, i);
         }
-        let Ok(pool) = lock_cell(py, self.pool(py).get().cell(), "pool") else {
-            return Noop::No;
-        };
-        if core.allocate_is_noop(pool.core(), &view, args) {
+        let noop = lock_cell(py, self.pool(py).get().cell(), "pool")
+            .is_ok_and(|pool| core.allocate_is_noop(pool.core(), &view, args));
+        if noop {
             Self::note_slot(&core, slot, view.hints);
-            Noop::Yes
-        } else {
-            Noop::No
+            return Noop::Yes;
         }
+        drop(core);
+        // The whole path takes a plain request's fields as read here.
+        Noop::No(match (plain_request, plain_entry) {
+            (Some(plain), Some(entry)) => Some(PlainRead {
+                plain,
+                entry,
+                num_computed_tokens: plain_counts.0,
+                num_prompt_tokens: plain_counts.1,
+            }),
+            _ => None,
+        })
     }
 
     /// Notes where a plain request's first-group table slot is (its hint's), for the call before
@@ -709,13 +754,15 @@ impl Inner {
     ) -> PyResult<Option<PyObject>> {
         self.expire_due(py)?;
         // The no-op answer first, as in `allocate` (the shared empty result needs no `Flat`).
+        let mut read = None;
         if self.noop_possible {
             match self.answers_noop(py, request, &args, None) {
                 Noop::Yes => return Ok(Some(self.empty.clone_ref(py))),
-                Noop::No | Noop::Unknown => {}
+                Noop::No(r) => read = r,
+                Noop::Unknown => {}
             }
         }
-        match self.allocate_whole(py, request, args, None)? {
+        match self.allocate_whole(py, request, args, None, read)? {
             None => Ok(None),
             Some(flat) => Ok(Some(self.make_flat(py, &flat)?)),
         }
