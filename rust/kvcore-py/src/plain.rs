@@ -384,18 +384,28 @@ impl PlainHints {
         };
         // The pipeline across calls: this entry's successor of last step is fetched while
         // the caller's scheduler works towards it, and this entry becomes the successor of the
-        // entry found before it.
+        // entry found before it (both found in one pass).
         let prev = std::mem::replace(&mut state.prev, addr);
-        if let Some(e) = state.entries.get(&addr) {
-            for a in e.next.get() {
+        let found = state.filter_map(|s| {
+            let entry = if prev == addr {
+                s.entries.get_mut(&addr)?
+            } else {
+                // Distinct keys: `get_many_mut` refuses only overlapping ones.
+                let [entry, before] = s.entries.get_many_mut([&addr, &prev]);
+                let entry = entry?;
+                if let Some(before) = before {
+                    before
+                        .next
+                        .set([std::ptr::from_ref(&*entry) as usize, entry.slot_addr.get()]);
+                }
+                entry
+            };
+            for a in entry.next.get() {
                 kvcore_core::prefetch::prefetch(a as *const u8);
             }
-            let here = [std::ptr::from_ref(e) as usize, e.slot_addr.get()];
-            if let Some(p) = state.entries.get(&prev).filter(|_| prev != addr) {
-                p.next.set(here);
-            }
-        }
-        let mut state = match state.filter_map(|s| s.entries.get_mut(&addr)) {
+            Some(entry)
+        });
+        let mut state = match found {
             Ok(entry) => return Ok(Some(entry)),
             Err(state) => state,
         };
