@@ -457,6 +457,7 @@ def test_an_event_has_the_tokens_the_fill_saw(cls: type[PlainRequest]) -> None:
     flag._all_token_ids[3] = True
     assert mgr.allocate_slots(flag, 4) is not None
     (event,) = mgr.take_events()
+    assert isinstance(event, BlockStored)
     assert event.token_ids == [1, 2, 3, 1]
     bad = cls("bad", [11, 12, 13, 14], hasher)
     bad._all_token_ids[2] = "x"  # type: ignore[call-overload]
