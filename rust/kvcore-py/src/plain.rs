@@ -390,7 +390,7 @@ impl PlainHints {
             let entry = if prev == addr {
                 s.entries.get_mut(&addr)?
             } else {
-                // Distinct keys: `get_many_mut` refuses only overlapping ones.
+                // The keys differ (`get_many_mut` panics on equal ones).
                 let [entry, before] = s.entries.get_many_mut([&addr, &prev]);
                 let entry = entry?;
                 if let Some(before) = before {
