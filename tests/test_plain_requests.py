@@ -441,7 +441,7 @@ def test_a_call_made_while_the_hint_map_is_held_reads_the_id() -> None:
 def test_an_event_has_the_tokens_the_fill_saw(cls: type[PlainRequest]) -> None:
     """A plain request's `BlockStored` carries a slice of its token list taken when the block
     filled (the reference's slice): a later change of the list is not in it. A token that is
-    an int of another type (a bool) reads as its value, and one that is no int raises as on
+    an int of another type (a bool) reads as its value, and one that is no int64 raises as on
     the attribute path, nothing cached, its blocks freed with the request."""
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
@@ -459,13 +459,18 @@ def test_an_event_has_the_tokens_the_fill_saw(cls: type[PlainRequest]) -> None:
     (event,) = mgr.take_events()
     assert isinstance(event, BlockStored)
     assert event.token_ids == [1, 2, 3, 1]
-    bad = cls("bad", [11, 12, 13, 14], hasher)
-    bad._all_token_ids[2] = "x"  # type: ignore[call-overload]
-    usage = mgr.usage
-    with pytest.raises(TypeError):
-        mgr.allocate_slots(bad, 4)
-    assert mgr.take_events() == []
-    mgr.check_invariants()
-    mgr.free(bad)
-    assert mgr.usage == usage
-    mgr.check_invariants()
+    odd: list[tuple[str, Any, type[Exception]]] = [
+        ("bad", "x", TypeError),
+        ("big", 2**70, OverflowError),
+    ]
+    for rid, token, error in odd:
+        bad = cls(rid, [11, 12, 13, 14], hasher)
+        bad._all_token_ids[2] = token
+        usage = mgr.usage
+        with pytest.raises(error):
+            mgr.allocate_slots(bad, 4)
+        assert mgr.take_events() == []
+        mgr.check_invariants()
+        mgr.free(bad)
+        assert mgr.usage == usage
+        mgr.check_invariants()

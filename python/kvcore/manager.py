@@ -116,8 +116,8 @@ class KVCacheManager(KVCacheManagerCore):
     :meth:`pop_blocks_for_free`, :meth:`get_blocks`, :meth:`get_block_ids`,
     :meth:`get_block_ids_for_computed_tokens`, :meth:`get_num_common_prefix_blocks`,
     :meth:`cache_blocks`, :meth:`remove_skipped_blocks`, :meth:`take_new_block_ids`,
-    :meth:`take_events` and :meth:`new_step_starts`. The methods below are the ones with Python state (stats, events'
-    group metadata, cache control).
+    :meth:`take_events` and :meth:`new_step_starts`. The methods below are the ones with Python
+    state (stats, events' group metadata, cache control).
 
     Attributes:
         max_model_len: Longest sequence.

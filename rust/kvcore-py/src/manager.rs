@@ -409,19 +409,38 @@ impl Inner {
         args: AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
     ) -> PyResult<Option<Flat>> {
-        // Most decode calls change nothing: answered before anything a call that does needs
-        // is gathered (any other duck-typed request takes the whole path: its hash list is
-        // read first below, as on every call, so that a missing one raises alike).
-        let (mut next, mut read) = (next, None);
-        if self.noop_possible {
-            match self.answers_noop(py, request, &args, next) {
-                Noop::Yes => return Ok(Some(Flat::empty(self.num_groups))),
-                // The batch's prefetch ran.
-                Noop::No(r) => (next, read) = (None, r),
-                Noop::Unknown => {}
-            }
-        }
+        let Some((next, read)) = self.ask_noop(py, request, &args, next) else {
+            return Ok(Some(Flat::empty(self.num_groups)));
+        };
         self.allocate_whole(py, request, args, next, read)
+    }
+
+    /// Most decode calls change nothing: answered before anything a call that does needs is
+    /// gathered (any other duck-typed request takes the whole path: its hash list is read
+    /// first there, as on every call, so that a missing one raises alike). `None`: answered,
+    /// no new blocks; else what the whole path takes: the batch's pipeline when it still has
+    /// to run, and a plain request's fields as read.
+    #[inline]
+    #[allow(clippy::type_complexity)]
+    fn ask_noop<'a, 'py, 'l>(
+        &'a self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        args: &AllocateArgs<'_>,
+        next: Option<(&'l Bound<'py, PyList>, usize)>,
+    ) -> Option<(
+        Option<(&'l Bound<'py, PyList>, usize)>,
+        Option<PlainRead<'a, 'py>>,
+    )> {
+        if !self.noop_possible {
+            return Some((next, None));
+        }
+        match self.answers_noop(py, request, args, next) {
+            Noop::Yes => None,
+            // The batch's prefetch ran.
+            Noop::No(read) => Some((None, read)),
+            Noop::Unknown => Some((next, None)),
+        }
     }
 
     /// [`Self::allocate`] past the no-op answer: the request read the general way (a plain
@@ -753,15 +772,10 @@ impl Inner {
         args: AllocateArgs<'_>,
     ) -> PyResult<Option<PyObject>> {
         self.expire_due(py)?;
-        // The no-op answer first, as in `allocate` (the shared empty result needs no `Flat`).
-        let mut read = None;
-        if self.noop_possible {
-            match self.answers_noop(py, request, &args, None) {
-                Noop::Yes => return Ok(Some(self.empty.clone_ref(py))),
-                Noop::No(r) => read = r,
-                Noop::Unknown => {}
-            }
-        }
+        // As `allocate`, the no-op answer being the shared empty result (no `Flat`).
+        let Some((_, read)) = self.ask_noop(py, request, &args, None) else {
+            return Ok(Some(self.empty.clone_ref(py)));
+        };
         match self.allocate_whole(py, request, args, None, read)? {
             None => Ok(None),
             Some(flat) => Ok(Some(self.make_flat(py, &flat)?)),

@@ -216,15 +216,15 @@ pub(crate) fn tokens_meta(token_ids: TokenIds, req: &MetaRequest<'_>) -> StoredM
 
 /// [`stored_meta`] for a request whose only event field is its token list
 /// ([`Fields::tokens_only`]): the range's tokens, sliced as the reference slices. The slice
-/// itself is carried to the event (its ints are not read, nor made again), once every item
-/// is checked to be an int as [`stored_meta`] would read it.
+/// itself is carried to the event (its ints are not made again), once every item is checked
+/// to be an int64 as [`stored_meta`] reads it.
 pub(crate) fn tokens_only_meta(
     tokens: &Bound<'_, PyList>,
     req: &MetaRequest<'_>,
 ) -> PyResult<StoredMeta> {
     let (start, end) = req.token_range;
     let slice = tokens.get_slice(start, end);
-    if !slice.iter().all(|t| t.is_exact_instance_of::<PyInt>()) {
+    if exact_i64s(tokens, start, end).is_none() {
         // Anything else as `stored_meta` reads it (an int subclass, or the error).
         let ids: Vec<i64> = slice.extract()?;
         return Ok(tokens_meta(ids.into(), req));
@@ -239,11 +239,15 @@ pub(crate) fn tokens_only_meta(
 pub(crate) fn token_ids_to_py<'py>(py: Python<'py>, ids: &TokenIds) -> PyResult<Bound<'py, PyAny>> {
     match ids {
         TokenIds::Ids(v) => Ok(PyList::new(py, v)?.into_any()),
-        TokenIds::Carried(c) => c
-            .get::<Py<PyList>>()
-            .map(|l| l.bind(py).clone().into_any())
-            .ok_or_else(|| invalid("an event carries token ids the bindings did not make")),
+        TokenIds::Carried(c) => Ok(carried_list(py, c)?.into_any()),
     }
+}
+
+/// The token list [`tokens_only_meta`] carries.
+fn carried_list<'py>(py: Python<'py>, c: &Carried) -> PyResult<Bound<'py, PyList>> {
+    c.get::<Py<PyList>>()
+        .map(|l| l.bind(py).clone())
+        .ok_or_else(|| invalid("an event carries token ids the bindings did not make"))
 }
 
 /// A positive count.
@@ -301,18 +305,17 @@ fn sub_meta(
     full_range: (usize, usize),
     full_blocks: &[(usize, usize)],
     req: &MetaRequest<'_>,
-) -> StoredMeta {
+) -> PyResult<StoredMeta> {
     if req.token_range == full_range && req.block_ranges == full_blocks {
-        return full.clone();
+        return Ok(full.clone());
     }
     let lo = req.token_range.0.saturating_sub(full_range.0);
     let hi = req.token_range.1.saturating_sub(full_range.0);
     let token_ids = match &full.token_ids {
         TokenIds::Ids(ids) => TokenIds::Ids(ids.get(lo..hi.min(ids.len())).unwrap_or(&[]).to_vec()),
-        TokenIds::Carried(c) => match c.get::<Py<PyList>>() {
-            Some(list) => TokenIds::Carried(Carried::new(list.bind(py).get_slice(lo, hi).unbind())),
-            None => TokenIds::Ids(Vec::new()),
-        },
+        TokenIds::Carried(c) => TokenIds::Carried(Carried::new(
+            carried_list(py, c)?.get_slice(lo, hi).unbind(),
+        )),
     };
     let extra_keys = full.extra_keys.as_ref().map(|keys| {
         full_blocks
@@ -322,12 +325,12 @@ fn sub_meta(
             .map(|(_, k)| k.clone())
             .collect::<Vec<_>>()
     });
-    StoredMeta {
+    Ok(StoredMeta {
         token_ids,
         lora_id: full.lora_id,
         lora_name: full.lora_name.clone(),
         extra_keys: extra_keys.filter(|k| !k.is_empty()),
-    }
+    })
 }
 
 /// `getattr(obj, name, None)` that lets other errors through.
@@ -926,7 +929,7 @@ impl PyBlockPool {
             let full = meta_value
                 .as_ref()
                 .ok_or_else(|| invalid("event metadata was not read"))?;
-            Ok(sub_meta(py, full, full_range, &ranges, req))
+            Ok(sub_meta(py, full, full_range, &ranges, req)?)
         };
         let mut me = lock(slf, "pool")?;
         Ok(me.inner.cache_full_blocks::<Error>(
