@@ -16,6 +16,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::Borrowed;
 
 use crate::args::{count_of, exact_int, request_id_of, COUNT_CAP};
 use crate::errors::invalid;
@@ -133,20 +134,50 @@ impl<'py> PlainRequest<'py> {
     /// last 0 unless `prompt`), when the counts are exact ints in range (`count_of`'s rule
     /// for them); `None` when a field is missing or of another type (the caller then reads
     /// the request the general way, which raises the error).
+    ///
+    /// The id is borrowed from the dict, not counted: the caller uses it only while no Python
+    /// code can run (finding the request's hint entry, which keeps its own reference), so
+    /// nothing can replace it in the dict meanwhile.
     #[inline]
-    pub(crate) fn decode_fields(&self, prompt: bool) -> Option<(Bound<'py, PyAny>, usize, usize)> {
+    pub(crate) fn decode_fields(
+        &self,
+        prompt: bool,
+    ) -> Option<(Borrowed<'_, 'py, PyAny>, usize, usize)> {
         let py = self.dict.py();
         let count = |name: &Bound<'py, PyString>| -> Option<usize> {
-            exact_int(&self.dict.get_item(name).ok()??)?.count_capped(COUNT_CAP)
+            let value = self.borrowed(name)?;
+            exact_int(&value)?.count_capped(COUNT_CAP)
         };
-        let id = self.dict.get_item(intern!(py, "request_id")).ok()??;
         let computed = count(intern!(py, "num_computed_tokens"))?;
         let prompt = if prompt {
             count(intern!(py, "num_prompt_tokens"))?
         } else {
             0
         };
+        // Read last, so that no lookup runs between this one and the caller's use of the id.
+        let id = self.borrowed(intern!(py, "request_id"))?;
         Some((id, computed, prompt))
+    }
+
+    /// The dict's value for `name`, borrowed (no reference counted): valid until Python code
+    /// runs, which could replace it. `None` when the dict has no such key.
+    #[inline]
+    fn borrowed(&self, name: &Bound<'py, PyString>) -> Option<Borrowed<'_, 'py, PyAny>> {
+        let py = self.dict.py();
+        #[allow(unsafe_code)]
+        // SAFETY: the GIL is held (`py`) and `self.dict` is an exact dict this struct holds a
+        // reference to; `name` is an exact str. The call returns a reference borrowed from the
+        // dict, or NULL when the key is absent or the lookup failed (a key of another type
+        // whose `__eq__` raised), in which case the error is taken off the thread so that the
+        // caller's general path reports its own. The `Borrowed` cannot outlive `&self`, hence
+        // the dict, and the caller uses it before any Python code runs (see `decode_fields`).
+        unsafe {
+            let item = pyo3::ffi::PyDict_GetItemWithError(self.dict.as_ptr(), name.as_ptr());
+            if item.is_null() && !pyo3::ffi::PyErr_Occurred().is_null() {
+                drop(PyErr::take(py));
+            }
+            Borrowed::from_ptr_or_opt(py, item)
+        }
     }
 
     /// `num_tokens`: the token list's length.
