@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import random
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +27,7 @@ from kvcore import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
+    PrefixCacheStats,
     Request,
     SlidingWindowSpec,
 )
@@ -200,3 +202,72 @@ def test_reentrant_request_is_served_like_a_plain_one(hybrid: bool) -> None:
         pool.check_invariants()
         results.append(log)
     assert results[0] == results[1]
+
+
+class YieldingStats(PrefixCacheStats):
+    """Stats whose ``record`` lets other threads run halfway through."""
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        self.requests += 1
+        time.sleep(0)
+        self.queries += num_tokens
+        self.hits += num_hits
+
+
+class YieldingStatsManager(KVCacheManager):
+    _stats_class = YieldingStats
+
+
+def test_stats_lookups_never_land_in_stats_handed_back() -> None:
+    """Lookups from many threads while another hands the stats back step after step: every
+    lookup is counted exactly once, and stats already handed back never change (the swap waits
+    for a recording that let the GIL go halfway)."""
+    init_none_hash(sha256)
+    groups = [KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=4, **ATTN))]
+    mgr = YieldingStatsManager(
+        KVCacheConfig(40, [], groups),
+        max_model_len=512,
+        scheduler_block_size=4,
+        hash_block_size=4,
+        log_stats=True,
+    )
+    hasher = get_request_block_hasher(4, sha256)
+    lookups_per_thread, threads = 300, 4
+    done = threading.Event()
+    errors: list[BaseException] = []
+    handed: list[tuple[YieldingStats, tuple[int, int, int]]] = []
+
+    def lookups(seed: int) -> None:
+        try:
+            for i in range(lookups_per_thread):
+                mgr.get_computed_blocks(
+                    Request(f"s{seed}-{i}", list(range(9)), block_hasher=hasher)
+                )
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    def swapper() -> None:
+        while not done.is_set():
+            stats = mgr.make_prefix_cache_stats()
+            assert isinstance(stats, YieldingStats)
+            handed.append((stats, (stats.requests, stats.queries, stats.hits)))
+            time.sleep(0)
+
+    with busy_cpu_and_tiny_switch_interval():
+        swap = threading.Thread(target=swapper)
+        swap.start()
+        workers = [threading.Thread(target=lookups, args=(s,)) for s in range(threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        done.set()
+        swap.join()
+    assert not errors
+    for stats, seen in handed:
+        assert (stats.requests, stats.queries, stats.hits) == seen
+    last = mgr.make_prefix_cache_stats()
+    assert last is not None
+    total = sum(s.requests for s, _ in handed) + last.requests
+    assert total == lookups_per_thread * threads
+    assert sum(s.queries for s, _ in handed) + last.queries == 9 * total

@@ -350,6 +350,12 @@ class KVCacheManagerCore:
         """Drains the ids allocated since the last call, group by group (MGR-29)."""
     def new_step_starts(self) -> None:
         """Signals a new scheduler step (MGR-30)."""
+    def _swap_stats(self, fresh: Any) -> Any:
+        """Replaces ``prefix_cache_stats`` by ``fresh``, returning the old stats, under the
+        core's lock (MGR-30)."""
+    def _stats_call(self, method: str, *args: Any) -> None:
+        """Calls ``prefix_cache_stats.<method>(*args)`` under the core's lock, unless the
+        stats are None (STAT-1)."""
     def coordinator_find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> tuple[tuple[list[int], ...], int]: ...

@@ -93,7 +93,7 @@ _M = TypeVar("_M", bound="KVCacheManager")
 
 def _serialized(method: Callable[Concatenate[_M, _P], _T]) -> Callable[Concatenate[_M, _P], _T]:
     """Runs the method under the manager's lock, so that calls from many threads on the
-    methods with Python state (stats, pins) are serialised. The lock is re-entrant: a request
+    methods with Python state (pins, the cache-control calls) are serialised. The lock is re-entrant: a request
     property that calls the manager from inside a call is served. The core's methods
     serialise their own calls (``kvcore._native``)."""
 
@@ -289,11 +289,10 @@ class KVCacheManager(KVCacheManagerCore):
         """
         if not self.log_stats:
             return None
-        fresh = self._stats_class()
-        # The swap only is serialised (with the lookups that record into the stats).
-        with self._lock:
-            stats = self.prefix_cache_stats
-            self.prefix_cache_stats = fresh
+        # Swapped while the core's state is held, as every recording into the stats is
+        # (`_stats_call`): the core's lock, not the manager's, which this per-step call would
+        # otherwise be alone in taking.
+        stats: PrefixCacheStats | None = self._swap_stats(self._stats_class())
         return stats
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -301,7 +300,7 @@ class KVCacheManager(KVCacheManagerCore):
 
         The hit never covers the last token, which must be recomputed for its logits. Lookups
         change no reference count. The search runs in the core (which serialises its own
-        calls); the stats are kept here, under the manager's lock.
+        calls); the stats are recorded here, under the core's lock (``_stats_call``).
 
         Args:
             request: The request.
@@ -314,13 +313,12 @@ class KVCacheManager(KVCacheManagerCore):
             self._record_lookup(request, found[1])
         return found
 
-    @_serialized
     def _record_lookup(self, request: Request, num_hits: int) -> None:
         """Counts one lookup in the current stats (STAT-1), unless caching is off or the
         request skips the prefix cache."""
-        stats = self.prefix_cache_stats
-        if stats is not None and self.enable_caching and not request.skip_reading_prefix_cache:
-            stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
+        if self.enable_caching and not request.skip_reading_prefix_cache:
+            num_tokens, preempted = request.num_tokens, request.num_preemptions > 0
+            self._stats_call("record", num_tokens, num_hits, preempted)
 
     @_serialized
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -342,8 +340,7 @@ class KVCacheManager(KVCacheManagerCore):
         """
         if not self.block_pool.reset_prefix_cache():
             return False
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.reset = True
+        self._stats_call("__setattr__", "reset", True)
         return True
 
     @_serialized
@@ -355,8 +352,7 @@ class KVCacheManager(KVCacheManagerCore):
         With events on, one ``AllBlocksCleared`` is queued.
         """
         self.block_pool.invalidate_prefix_cache()
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.reset = True
+        self._stats_call("__setattr__", "reset", True)
 
     def _prefix_hashes(
         self, token_ids: Sequence[int], lora_request: Any, cache_salt: str | None

@@ -170,6 +170,9 @@ class KVCacheManager(_KVCacheManager):
         self.metrics_collector = metrics_collector
         if metrics_collector is not None:
             self.block_pool.record_block_ops(True)
+            # Only a collector makes `take_events` more than the core's method: without one
+            # the scheduler's per-step call goes straight to it (no Python frame).
+            self.take_events = self._take_events_feeding  # type: ignore[method-assign]
         self._kvcore_coordinator = self.coordinator
         self.coordinator = vllm_coordinator(self.coordinator)
         self._priority_retention = retention_from_priority()
@@ -182,11 +185,9 @@ class KVCacheManager(_KVCacheManager):
         else:
             super().free(request)
 
-    def take_events(self) -> list[Any]:
-        """The pool's events as ``vllm.distributed.kv_events`` objects (same fields).
-
-        With a metrics collector, first hands it the pool's recorded block operations.
-        """
-        if self.metrics_collector is not None:
-            feed_metrics(self.metrics_collector, self.block_pool.take_block_ops())
+    def _take_events_feeding(self) -> list[Any]:
+        """``take_events`` with a metrics collector: first hands the collector the pool's
+        recorded block operations, then returns the pool's events (as the core's method, as
+        ``vllm.distributed.kv_events`` objects)."""
+        feed_metrics(self.metrics_collector, self.block_pool.take_block_ops())
         return super().take_events()

@@ -1282,6 +1282,36 @@ impl PyManagerCore {
         Ok(slf.get().me()?.lock(py)?.take_new_block_ids())
     }
 
+    /// Replaces the manager's `prefix_cache_stats` by `fresh` and returns the stats it held
+    /// (MGR-30), while holding the manager's state: a [`Self::_stats_call`] of another thread
+    /// has ended or waits, so no lookup is counted into stats already handed out.
+    #[pyo3(text_signature = "($self, fresh)")]
+    fn _swap_stats(slf: &Bound<'_, Self>, fresh: &Bound<'_, PyAny>) -> PyResult<PyObject> {
+        let py = slf.py();
+        let _held = slf.get().me()?.lock(py)?;
+        let name = intern!(py, "prefix_cache_stats");
+        let old = slf.getattr(name)?;
+        slf.setattr(name, fresh)?;
+        Ok(old.unbind())
+    }
+
+    /// Calls `self.prefix_cache_stats.<method>(*args)`, unless the stats are None, while
+    /// holding the manager's state, so that [`Self::_swap_stats`] waits for it (STAT-1).
+    #[pyo3(signature = (method, *args), text_signature = "($self, method, *args)")]
+    fn _stats_call(
+        slf: &Bound<'_, Self>,
+        method: &Bound<'_, PyString>,
+        args: &Bound<'_, PyTuple>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let _held = slf.get().me()?.lock(py)?;
+        let stats = slf.getattr(intern!(py, "prefix_cache_stats"))?;
+        if !stats.is_none() {
+            stats.call_method1(method, args)?;
+        }
+        Ok(())
+    }
+
     /// SPEC MGR-30.
     #[pyo3(text_signature = "($self)")]
     fn new_step_starts(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<()> {
