@@ -247,11 +247,14 @@ def test_stats_lookups_never_land_in_stats_handed_back() -> None:
             errors.append(e)
 
     def swapper() -> None:
-        while not done.is_set():
-            stats = mgr.make_prefix_cache_stats()
-            assert isinstance(stats, YieldingStats)
-            handed.append((stats, (stats.requests, stats.queries, stats.hits)))
-            time.sleep(0)
+        try:
+            while not done.is_set():
+                stats = mgr.make_prefix_cache_stats()
+                assert isinstance(stats, YieldingStats)
+                handed.append((stats, (stats.requests, stats.queries, stats.hits)))
+                time.sleep(0)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
 
     with busy_cpu_and_tiny_switch_interval():
         swap = threading.Thread(target=swapper)

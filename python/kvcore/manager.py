@@ -93,9 +93,10 @@ _M = TypeVar("_M", bound="KVCacheManager")
 
 def _serialized(method: Callable[Concatenate[_M, _P], _T]) -> Callable[Concatenate[_M, _P], _T]:
     """Runs the method under the manager's lock, so that calls from many threads on the
-    methods with Python state (pins, the cache-control calls) are serialised. The lock is re-entrant: a request
-    property that calls the manager from inside a call is served. The core's methods
-    serialise their own calls (``kvcore._native``)."""
+    methods with Python state (pins, the cache-control calls) are serialised. The lock is
+    re-entrant: a request property that calls the manager from inside a call is served. The
+    core's methods serialise their own calls (``kvcore._native``), the stats' swap and
+    recordings included."""
 
     @functools.wraps(method)
     def call(self: _M, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
@@ -289,9 +290,8 @@ class KVCacheManager(KVCacheManagerCore):
         """
         if not self.log_stats:
             return None
-        # Swapped while the core's state is held, as every recording into the stats is
-        # (`_stats_call`): the core's lock, not the manager's, which this per-step call would
-        # otherwise be alone in taking.
+        # Under the core's lock, as every recording into the stats (`_stats_call`): a per-step
+        # call takes no Python lock.
         stats: PrefixCacheStats | None = self._swap_stats(self._stats_class())
         return stats
 
