@@ -646,80 +646,112 @@ impl Inner {
             return Noop::Unknown;
         }
         // The request's fields, as the whole path reads them: a plain request's from its dict
-        // and its entry in the hint map, a kvcore request's from its native base.
-        let mut plain_entry = None;
-        let mut plain_request = None;
-        let mut plain_counts = (0, 0);
-        let core_request;
-        let (view, slot) = if let Some(plain) = self.plain.as_ref().and_then(|p| p.read(request)) {
-            let Some((id, computed, prompt)) = plain.decode_fields(self.reads_prompt) else {
-                return Noop::Unknown;
-            };
-            let Ok(Some(entry)) = self.plain_hints.entry(&id) else {
-                return Noop::Unknown;
-            };
-            plain_counts = (computed, prompt);
-            let num_tokens = plain_request.insert(plain).num_tokens();
-            let entry = &**plain_entry.insert(entry);
-            let view = RequestView {
-                id: &entry.key,
-                num_computed_tokens: computed,
-                num_tokens,
-                num_prompt_tokens: prompt,
-                waiting_or_preempted: false,
-                hints: &entry.hints[..self.num_groups.min(entry.hints.len())],
-            };
-            (view, Some(&entry.slot_addr))
-        } else {
-            let Ok(Some(c)) = self.cast.borrow(request) else {
-                return Noop::Unknown;
-            };
-            core_request = c;
-            let c = &core_request;
-            let (Ok(num_tokens), Ok(computed), Ok(prompt)) = (
-                usize::try_from(c.num_tokens),
-                usize::try_from(c.num_computed_tokens),
-                usize::try_from(if self.reads_prompt {
-                    c.num_prompt_tokens
-                } else {
-                    0
-                }),
-            ) else {
-                return Noop::Unknown;
-            };
-            let view = RequestView {
-                id: c.id.as_str(),
-                num_computed_tokens: computed,
-                num_tokens,
-                num_prompt_tokens: prompt,
-                waiting_or_preempted: false,
-                hints: &c.hints[..self.num_groups.min(c.hints.len())],
-            };
-            (view, None)
-        };
-        let Ok(core) = self.lock(py) else {
+        // and its entry in the hint map, a kvcore request's from its native base. Each kind in
+        // a function of its own, so that a call runs the code of one.
+        match self.plain.as_ref().and_then(|p| p.read(request)) {
+            Some(plain) => self.plain_noop(py, plain, args, next),
+            None => self.core_request_noop(py, request, args, next),
+        }
+    }
+
+    /// [`Self::answers_noop`] for a plain request, read from its dict and its hint entry.
+    #[inline(never)]
+    fn plain_noop<'py>(
+        &self,
+        py: Python<'py>,
+        plain: crate::plain::PlainRequest<'py>,
+        args: &AllocateArgs<'_>,
+        next: Option<(&Bound<'py, PyList>, usize)>,
+    ) -> Noop<'_, 'py> {
+        let Some((id, computed, prompt)) = plain.decode_fields(self.reads_prompt) else {
             return Noop::Unknown;
+        };
+        let Ok(Some(entry)) = self.plain_hints.entry(&id) else {
+            return Noop::Unknown;
+        };
+        let view = RequestView {
+            id: &entry.key,
+            num_computed_tokens: computed,
+            num_tokens: plain.num_tokens(),
+            num_prompt_tokens: prompt,
+            waiting_or_preempted: false,
+            hints: &entry.hints[..self.num_groups.min(entry.hints.len())],
+        };
+        if self.decide_noop(py, &view, Some(&entry.slot_addr), args, next) {
+            return Noop::Yes;
+        }
+        // The whole path takes the fields as read here.
+        Noop::No(Some(PlainRead {
+            plain,
+            entry,
+            num_computed_tokens: computed,
+            num_prompt_tokens: prompt,
+        }))
+    }
+
+    /// [`Self::answers_noop`] for a kvcore request, read from its native base; `Unknown` for
+    /// any other request.
+    #[inline(never)]
+    fn core_request_noop<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        args: &AllocateArgs<'_>,
+        next: Option<(&Bound<'py, PyList>, usize)>,
+    ) -> Noop<'_, 'py> {
+        let Ok(Some(c)) = self.cast.borrow(request) else {
+            return Noop::Unknown;
+        };
+        let (Ok(num_tokens), Ok(computed), Ok(prompt)) = (
+            usize::try_from(c.num_tokens),
+            usize::try_from(c.num_computed_tokens),
+            usize::try_from(if self.reads_prompt {
+                c.num_prompt_tokens
+            } else {
+                0
+            }),
+        ) else {
+            return Noop::Unknown;
+        };
+        let view = RequestView {
+            id: c.id.as_str(),
+            num_computed_tokens: computed,
+            num_tokens,
+            num_prompt_tokens: prompt,
+            waiting_or_preempted: false,
+            hints: &c.hints[..self.num_groups.min(c.hints.len())],
+        };
+        if self.decide_noop(py, &view, None, args, next) {
+            Noop::Yes
+        } else {
+            Noop::No(None)
+        }
+    }
+
+    /// The no-op question itself ([`Coordinator::allocate_is_noop`]) with the manager held
+    /// (`false` when it is held elsewhere), refreshing the hints and noting the slot of a
+    /// plain request's entry when the answer is yes; runs the batch's prefetch.
+    #[inline]
+    fn decide_noop(
+        &self,
+        py: Python<'_>,
+        view: &RequestView<'_>,
+        slot: Option<&std::cell::Cell<usize>>,
+        args: &AllocateArgs<'_>,
+        next: Option<(&Bound<'_, PyList>, usize)>,
+    ) -> bool {
+        let Ok(core) = self.lock(py) else {
+            return false;
         };
         if let Some((list, i)) = next {
             self.prefetch_next(&core, list, i);
         }
         let noop = lock_cell(py, self.pool(py).get().cell(), "pool")
-            .is_ok_and(|pool| core.allocate_is_noop(pool.core(), &view, args));
+            .is_ok_and(|pool| core.allocate_is_noop(pool.core(), view, args));
         if noop {
             Self::note_slot(&core, slot, view.hints);
-            return Noop::Yes;
         }
-        drop(core);
-        // The whole path takes a plain request's fields as read here.
-        Noop::No(match (plain_request, plain_entry) {
-            (Some(plain), Some(entry)) => Some(PlainRead {
-                plain,
-                entry,
-                num_computed_tokens: plain_counts.0,
-                num_prompt_tokens: plain_counts.1,
-            }),
-            _ => None,
-        })
+        noop
     }
 
     /// Notes where a plain request's first-group table slot is (its hint's), for the call before
