@@ -629,9 +629,10 @@ impl Inner {
     /// Whether the call is a no-op ([`Coordinator::allocate_is_noop`]), answered from the
     /// fewest reads: a kvcore request's native fields, or a plain request's dict entries and
     /// its entry in the hint map (refreshing its hints as a no-op call does). Anything unusual
-    /// (another kind of request, a field of another type, a watermark, the manager held) is
-    /// `Unknown`, left to the whole path, which reads the request again and raises any error:
-    /// nothing here raises or changes more than hints. Kept apart from that path so that a
+    /// (another kind of request, a field of another type, a watermark) is `Unknown`, left to
+    /// the whole path, which reads the request again and raises any error; a manager this
+    /// thread's own call holds answers no (the whole path raises): nothing here raises or
+    /// changes more than hints. Kept apart from that path so that a
     /// decode call runs little code (most of a call's time in a scheduler's step is fetching
     /// its code).
     #[inline(never)]
@@ -648,9 +649,12 @@ impl Inner {
         // The request's fields, as the whole path reads them: a plain request's from its dict
         // and its entry in the hint map, a kvcore request's from its native base. Each kind in
         // a function of its own, so that a call runs the code of one.
-        match self.plain.as_ref().and_then(|p| p.read(request)) {
-            Some(plain) => self.plain_noop(py, plain, args, next),
-            None => self.core_request_noop(py, request, args, next),
+        if let Some(plain) = self.plain.as_ref().and_then(|p| p.read(request)) {
+            return self.plain_noop(py, plain, args, next);
+        }
+        match self.cast.borrow(request) {
+            Ok(Some(c)) => self.core_request_noop(py, &c, args, next),
+            _ => Noop::Unknown,
         }
     }
 
@@ -689,19 +693,15 @@ impl Inner {
         }))
     }
 
-    /// [`Self::answers_noop`] for a kvcore request, read from its native base; `Unknown` for
-    /// any other request.
+    /// [`Self::answers_noop`] for a kvcore request, read from its native base `c`.
     #[inline(never)]
     fn core_request_noop<'py>(
         &self,
         py: Python<'py>,
-        request: &Bound<'py, PyAny>,
+        c: &PyRequestCore,
         args: &AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
     ) -> Noop<'_, 'py> {
-        let Ok(Some(c)) = self.cast.borrow(request) else {
-            return Noop::Unknown;
-        };
         let (Ok(num_tokens), Ok(computed), Ok(prompt)) = (
             usize::try_from(c.num_tokens),
             usize::try_from(c.num_computed_tokens),
