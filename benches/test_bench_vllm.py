@@ -22,11 +22,11 @@ manager's, as the scheduler makes it too). The raw times (bias included, in both
 reported too. In a tight loop the timed span less the bias matches the call's unwrapped time
 within ~10 ns for either manager. Inside a step the clock's first read after the scheduler's own
 code is slower than the bias (its code and data are out of the caches), so the wrapper reads the
-clock once more, discarded, just before the read that opens the span: both reads of the span are
-then warm, as the bias measures them. Without that read, each call of either manager counted
-~70-90 ns of the timer's own cache misses (measured with 256 running: four schedulers in one
-process, the two timers side by side). The *ceiling* is the plain kvcore step's time less kvcore's
-manager time: what a manager costing nothing would leave.
+clock once more, discarded, a few bytecodes before the read that opens the span: both reads of
+the span are then warm, as the bias measures them. Without that read, each call of either
+manager counted ~70-90 ns of the timer's own cache misses (measured with 256 running: four
+schedulers in one process, the two timers side by side). The *ceiling* is the plain kvcore
+step's time less kvcore's manager time: what a manager costing nothing would leave.
 
 Run: ``python -m pytest benches/test_bench_vllm.py -q --benchmark-only`` (``make bench`` runs it
 too).
@@ -97,10 +97,10 @@ class Timer:
             if self.inside:  # called by another wrapped method: timed by that one
                 return fn(*args, **kwargs)
             self.inside = True
+            perf()  # warms the clock (see the module docs)
             # Forwarded as the scheduler called it (see the module docs): no keyword, or the
             # decode shape's one keyword by name; anything else through the dict.
             if not kwargs:
-                perf()  # warms the clock (see the module docs)
                 t = perf()
                 try:
                     return fn(*args)
@@ -109,13 +109,11 @@ class Timer:
             if len(args) == 2 and len(kwargs) == 1 and "num_lookahead_tokens" in kwargs:
                 request, n = args
                 k = kwargs["num_lookahead_tokens"]
-                perf()
                 t = perf()
                 try:
                     return fn(request, n, num_lookahead_tokens=k)
                 finally:
                     self._done(perf() - t)
-            perf()
             t = perf()
             try:
                 return fn(*args, **kwargs)

@@ -632,9 +632,8 @@ impl Inner {
     /// (another kind of request, a field of another type, a watermark) is `Unknown`, left to
     /// the whole path, which reads the request again and raises any error; a manager this
     /// thread's own call holds answers no (the whole path raises): nothing here raises or
-    /// changes more than hints. Kept apart from that path so that a
-    /// decode call runs little code (most of a call's time in a scheduler's step is fetching
-    /// its code).
+    /// changes more than hints. Kept apart from that path so that a decode call runs little
+    /// code (most of a call's time in a scheduler's step is fetching its code).
     #[inline(never)]
     fn answers_noop<'py>(
         &self,
@@ -729,7 +728,7 @@ impl Inner {
     }
 
     /// The no-op question itself ([`Coordinator::allocate_is_noop`]) with the manager held
-    /// (`false` when it is held elsewhere), refreshing the hints and noting the slot of a
+    /// (`false` when this thread's own call holds it), refreshing the hints and noting the slot of a
     /// plain request's entry when the answer is yes; runs the batch's prefetch.
     #[inline]
     fn decide_noop(
