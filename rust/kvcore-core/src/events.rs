@@ -48,6 +48,14 @@ impl Carried {
     pub fn get<T: Any>(&self) -> Option<&T> {
         self.0.downcast_ref()
     }
+
+    /// The value itself, when it is a `T` that no clone of this shares; else `self` back.
+    pub fn try_take<T: Any + Send + Sync>(self) -> Result<T, Self> {
+        match self.0.downcast::<T>() {
+            Ok(value) => Arc::try_unwrap(value).map_err(|v| Self(v)),
+            Err(other) => Err(Self(other)),
+        }
+    }
 }
 
 impl PartialEq for Carried {

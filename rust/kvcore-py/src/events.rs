@@ -6,7 +6,7 @@ use kvcore_core::value::Value;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
-use crate::pool::token_ids_to_py;
+use crate::pool::token_ids_into_py;
 
 const MEDIUM_GPU: &str = "GPU";
 
@@ -396,7 +396,7 @@ where
     T: pyo3::PyClass<BaseType = KVCacheEvent>,
 {
     match cls {
-        Some(cls) => cls.call1(PyTuple::new(py, values)?),
+        Some(cls) => call_positional(cls, &values),
         None => {
             let event = make(values.map(Bound::unbind));
             Ok(Py::new(
@@ -409,6 +409,57 @@ where
     }
 }
 
+extern "C" {
+    /// CPython's vectorcall entry point. It is a function exported by libpython from 3.11
+    /// (the oldest version this module supports) and part of the stable ABI from 3.12, but
+    /// pyo3's `abi3-py311` declarations only offer it from 3.12, so it is declared here.
+    fn PyObject_Vectorcall(
+        callable: *mut pyo3::ffi::PyObject,
+        args: *const *mut pyo3::ffi::PyObject,
+        nargsf: usize,
+        kwnames: *mut pyo3::ffi::PyObject,
+    ) -> *mut pyo3::ffi::PyObject;
+}
+
+/// `cls(*args)` by vectorcall: no argument tuple is made (an event class is called once per
+/// event, and building and freeing an 11-item tuple cost more than the call).
+fn call_positional<'py, const N: usize>(
+    cls: &Bound<'py, PyAny>,
+    args: &[Bound<'py, PyAny>; N],
+) -> PyResult<Bound<'py, PyAny>> {
+    let ptrs: [*mut pyo3::ffi::PyObject; N] = std::array::from_fn(|i| args[i].as_ptr());
+    #[allow(unsafe_code)]
+    // SAFETY: the GIL is held (`cls` is bound), `cls` and every argument are live objects
+    // borrowed for the call (`args` keeps them alive until it returns), `ptrs` holds exactly
+    // `N` pointers and `nargsf` says `N` with no offset flag (the callee may not write before
+    // the array), and `kwnames` is NULL (no keywords). The call returns a new reference, or
+    // NULL with an exception set, which `from_owned_ptr_or_err` turns into the error.
+    unsafe {
+        Bound::from_owned_ptr_or_err(
+            cls.py(),
+            PyObject_Vectorcall(cls.as_ptr(), ptrs.as_ptr(), N, std::ptr::null_mut()),
+        )
+    }
+}
+
+/// A list of `items`, made at its final size.
+fn list_of<'py>(
+    py: Python<'py>,
+    mut items: impl ExactSizeIterator<Item = PyResult<Bound<'py, PyAny>>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    if items.len() == 1 {
+        // The common case (one block per event) without a vector.
+        if let Some(item) = items.next() {
+            return Ok(PyList::new(py, [item?])?.into_any());
+        }
+    }
+    let mut all = Vec::with_capacity(items.len());
+    for item in items {
+        all.push(item?);
+    }
+    Ok(PyList::new(py, all)?.into_any())
+}
+
 /// Converts drained core events into a Python list of event objects, and the group ids of
 /// `BlockStored` events `style.group_meta` has no entry for (their spec fields stay None).
 /// `as_int` selects the integer form of hashes (SPEC EVT-2, see [`use_int_hashes`]).
@@ -418,11 +469,11 @@ pub fn events_to_py(
     as_int: bool,
     style: &EventStyle<'_>,
 ) -> PyResult<(Py<PyList>, Vec<u32>)> {
-    let out = PyList::empty(py);
+    let mut out = Vec::with_capacity(events.len());
     let mut unknown = Vec::new();
     let medium = PyString::new(py, MEDIUM_GPU).into_any();
     let none = || py.None().into_bound(py);
-    // Every field is an owned `Bound`: moved into the event (or the argument tuple), never
+    // Every field is an owned `Bound`: moved into the event (or lent to the call), never
     // counted twice.
     for ev in events {
         let obj: Bound<'_, PyAny> = match ev {
@@ -433,26 +484,23 @@ pub fn events_to_py(
                 group_idx,
                 meta,
             } => {
-                let hashes = PyList::empty(py);
-                for h in &block_hashes {
-                    hashes.append(external_hash(py, h, as_int)?)?;
-                }
+                let hashes = list_of(
+                    py,
+                    block_hashes.iter().map(|h| external_hash(py, h, as_int)),
+                )?;
                 let parent = match &parent_block_hash {
                     Some(h) => external_hash(py, h, as_int)?,
                     None => none(),
                 };
                 let extra = match &meta.extra_keys {
                     None => none(),
-                    Some(keys) => {
-                        let items = PyList::empty(py);
-                        for k in keys {
-                            items.append(match k {
-                                Some(v) => value_to_py(py, v)?.into_bound(py),
-                                None => none(),
-                            })?;
-                        }
-                        items.into_any()
-                    }
+                    Some(keys) => list_of(
+                        py,
+                        keys.iter().map(|k| match k {
+                            Some(v) => Ok(value_to_py(py, v)?.into_bound(py)),
+                            None => Ok(none()),
+                        }),
+                    )?,
                 };
                 let (kind, window) = match style.group_meta {
                     None => (none(), none()),
@@ -464,20 +512,22 @@ pub fn events_to_py(
                         }
                     },
                 };
+                let lora_name = match meta.lora_name.as_deref() {
+                    Some(v) => PyString::new(py, v).into_any(),
+                    None => none(),
+                };
+                let lora_id = match meta.lora_id {
+                    Some(v) => v.into_pyobject(py)?.into_any(),
+                    None => none(),
+                };
                 let values: [Bound<'_, PyAny>; 11] = [
-                    hashes.into_any(),
+                    hashes,
                     parent,
-                    token_ids_to_py(py, &meta.token_ids)?,
+                    token_ids_into_py(py, meta.token_ids)?,
                     block_size.into_pyobject(py)?.into_any(),
-                    match meta.lora_id {
-                        Some(v) => v.into_pyobject(py)?.into_any(),
-                        None => none(),
-                    },
+                    lora_id,
                     medium.clone(),
-                    match meta.lora_name.as_deref() {
-                        Some(v) => PyString::new(py, v).into_any(),
-                        None => none(),
-                    },
+                    lora_name,
                     extra,
                     group_idx.into_pyobject(py)?.into_any(),
                     kind,
@@ -515,9 +565,9 @@ pub fn events_to_py(
                 Some([_, _, cls]) => cls.bind(py).call0()?,
             },
         };
-        out.append(obj)?;
+        out.push(obj);
     }
-    Ok((out.unbind(), unknown))
+    Ok((PyList::new(py, out)?.unbind(), unknown))
 }
 
 /// Converts a Python extra-key value (None, int, str, bytes, tuple or list of those) into a

@@ -338,58 +338,105 @@ impl<'a, 'py> Fields<'a, 'py> {
 /// stale entry answers nothing wrong; entries go when their request is freed, and those whose
 /// id str nothing else holds are dropped when the map has grown (see [`PlainHints::entry`]).
 ///
-/// The map is GIL-guarded state ([`GilCell`]) whose entries live in it: a call holds its
-/// request's entry in place for the call ([`PlainHints::entry`]). A scheduler calls its running
-/// requests in the same order every step, so each entry also notes where the next call's
-/// entry and table slot were last time, and those lines are prefetched when it is found: they
-/// arrive while the scheduler's own code runs up to that call. The addresses are only ever
-/// prefetched (a stale one costs a useless fetch). A call that finds the map
-/// held (another thread's call that let the GIL go, or a re-entrant one) does without it and
-/// reads the id, as for any duck-typed request.
+/// The entries live in a slab, indexed by id address. A scheduler calls its running requests
+/// in the same order every step, so each entry also notes which entry was found after it last
+/// time, and where that entry and its table slot are: the call after it checks that entry
+/// first (one comparison of addresses instead of a hash lookup, whose probe lands on a line
+/// of the index that the scheduler's own work between calls has pushed out of the caches),
+/// and both lines are prefetched when the entry before is found, so that they arrive while
+/// the scheduler's own code runs up to that call. The addresses are only ever prefetched (a
+/// stale one costs a useless fetch) and the noted entry is used only when its id address is
+/// the call's. The map is GIL-guarded state ([`GilCell`]): a call holds its request's entry in
+/// place for the call ([`PlainHints::entry`]). A call that finds the map held (another
+/// thread's call that let the GIL go, or a re-entrant one) does without it and reads the id,
+/// as for any duck-typed request.
 pub(crate) struct PlainHints {
     state: GilCell<PlainMap>,
 }
 
 struct PlainMap {
-    entries: hashbrown::HashMap<usize, PlainEntry>,
+    /// Slab index of each entry, by the address of its id str.
+    index: hashbrown::HashMap<usize, u32>,
+    /// The entries (`None`: a free slot, listed in `free`).
+    slab: Vec<Option<PlainEntry>>,
+    free: Vec<u32>,
     /// The map's size that triggers the next sweep.
     sweep_at: usize,
-    /// The key of the entry found last.
-    prev: usize,
+    /// The slab index of the entry found last ([`NO_ENTRY`] when none).
+    prev: u32,
 }
+
+/// No slab index.
+const NO_ENTRY: u32 = u32::MAX;
 
 /// Groups whose slot hints an entry keeps (inline, next to its table key, so that a decode call
 /// reads one line of it); the tables of further groups are found by id.
 const INLINE_HINTS: usize = 4;
 
-/// One plain request's slot hints, table key and id (kept alive).
-#[repr(C)]
+/// One plain request's slot hints, table key and id (kept alive). Aligned to a cache line,
+/// with what a decode call reads (the fields up to the second group's hint) in the first two
+/// lines, which the call before it prefetches.
+#[repr(C, align(64))]
 pub(crate) struct PlainEntry {
-    /// The id's table key (`crate::args::id_key`): first, so that its pointer and length share
-    /// a cache line with the first group's hint.
+    /// The address of `id`: the call after this entry's predecessor compares it.
+    id_addr: usize,
+    /// The entry found after this one last time: its slab index and the address of its
+    /// first-group table slot. Prefetched when this entry is found, and checked first by the
+    /// next call. Hints for the cache and the lookup only.
+    next: std::cell::Cell<(u32, usize)>,
+    /// Where this entry's request's first-group table slot was on its last call.
+    pub(crate) slot_addr: std::cell::Cell<usize>,
+    /// The id's table key (`crate::args::id_key`).
     pub(crate) key: String,
     /// One hint cell per group, the first [`INLINE_HINTS`] groups.
     pub(crate) hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
-    /// Where this entry's request's first-group table slot was on its last call.
-    pub(crate) slot_addr: std::cell::Cell<usize>,
-    /// The entry and slot addresses of the call that came after this entry's last time:
-    /// prefetched when this entry is found (a scheduler calls its running requests in the
-    /// same order every step). Hints for the cache only, never read.
-    next: std::cell::Cell<[usize; 2]>,
     id: Py<PyString>,
 }
 
 /// The smallest map size that triggers a sweep.
 const SWEEP_MIN: usize = 1024;
 
+impl PlainMap {
+    /// The entry in slot `i`, if any.
+    #[inline]
+    fn at(&self, i: u32) -> Option<&PlainEntry> {
+        self.slab.get(i as usize).and_then(Option::as_ref)
+    }
+
+    /// The slab index of the entry of the id at `addr`: the entry noted after `prev` when it
+    /// is that id's, else found in the index. Notes it as `prev`'s successor.
+    #[inline]
+    fn find(&mut self, addr: usize) -> Option<u32> {
+        let prev = std::mem::replace(&mut self.prev, NO_ENTRY);
+        let noted = self.at(prev).map(|p| p.next.get().0);
+        let i = match noted.filter(|&n| self.at(n).is_some_and(|e| e.id_addr == addr)) {
+            Some(n) => n,
+            None => *self.index.get(&addr)?,
+        };
+        self.prev = i;
+        let entry = self.at(i)?;
+        let (next, next_slot) = entry.next.get();
+        if let Some(p) = self.at(prev) {
+            p.next.set((i, entry.slot_addr.get()));
+        }
+        if next != NO_ENTRY {
+            kvcore_core::prefetch::prefetch(self.slab.as_ptr().wrapping_add(next as usize));
+            kvcore_core::prefetch::prefetch(next_slot as *const u8);
+        }
+        Some(i)
+    }
+}
+
 impl PlainHints {
     /// An empty map.
     pub(crate) fn new() -> Self {
         Self {
             state: GilCell::new(PlainMap {
-                entries: hashbrown::HashMap::new(),
+                index: hashbrown::HashMap::new(),
+                slab: Vec::new(),
+                free: Vec::new(),
                 sweep_at: SWEEP_MIN,
-                prev: 0,
+                prev: NO_ENTRY,
             }),
         }
     }
@@ -413,64 +460,71 @@ impl PlainHints {
         let Some(mut state) = try_lock_cell(py, &self.state) else {
             return Ok(None);
         };
-        // The pipeline across calls: this entry's successor of last step is fetched while
-        // the caller's scheduler works towards it, and this entry becomes the successor of the
-        // entry found before it (both found in one pass).
-        let prev = std::mem::replace(&mut state.prev, addr);
-        let found = state.filter_map(|s| {
-            let entry = if prev == addr {
-                s.entries.get_mut(&addr)?
-            } else {
-                // The keys differ (`get_many_mut` panics on equal ones).
-                let [entry, before] = s.entries.get_many_mut([&addr, &prev]);
-                let entry = entry?;
-                if let Some(before) = before {
-                    before
-                        .next
-                        .set([std::ptr::from_ref(&*entry) as usize, entry.slot_addr.get()]);
-                }
-                entry
-            };
-            for a in entry.next.get() {
-                kvcore_core::prefetch::prefetch(a as *const u8);
-            }
-            Some(entry)
-        });
-        let mut state = match found {
-            Ok(entry) => return Ok(Some(entry)),
-            Err(state) => state,
-        };
+        if let Some(i) = state.find(addr) {
+            return Ok(state
+                .filter_map(|s| s.slab.get_mut(i as usize).and_then(Option::as_mut))
+                .ok());
+        }
         let id = request_id_of(id)?;
         let key = crate::args::id_key(id)?.into_owned();
-        if state.entries.len() >= state.sweep_at {
-            state.entries.retain(|_, e| e.id.get_refcnt(py) > 1);
-            state.sweep_at = (2 * state.entries.len()).max(SWEEP_MIN);
+        if state.index.len() >= state.sweep_at {
+            let PlainMap {
+                index, slab, free, ..
+            } = &mut *state;
+            index.retain(|_, &mut i| {
+                let slot = &mut slab[i as usize];
+                let keep = slot.as_ref().is_some_and(|e| e.id.get_refcnt(py) > 1);
+                if !keep {
+                    // Its id str goes with it: freeing a str runs no Python code.
+                    *slot = None;
+                    free.push(i);
+                }
+                keep
+            });
+            state.sweep_at = (2 * state.index.len()).max(SWEEP_MIN);
         }
         let entry = PlainEntry {
+            id_addr: addr,
+            next: std::cell::Cell::new((NO_ENTRY, 0)),
+            slot_addr: std::cell::Cell::new(0),
             key,
             hints: Default::default(),
-            slot_addr: std::cell::Cell::new(0),
-            next: std::cell::Cell::new([0; 2]),
             id: id.clone().unbind(),
         };
+        let i = match state.free.pop() {
+            Some(i) => {
+                state.slab[i as usize] = Some(entry);
+                i
+            }
+            None => {
+                let Ok(i) = u32::try_from(state.slab.len()) else {
+                    return Ok(None);
+                };
+                state.slab.push(Some(entry));
+                i
+            }
+        };
+        state.index.insert(addr, i);
+        state.prev = i;
         Ok(state
-            .filter_map(|s| Some(s.entries.entry(addr).insert(entry).into_mut()))
+            .filter_map(|s| s.slab.get_mut(i as usize).and_then(Option::as_mut))
             .ok())
     }
 
     /// Drops the entry of `id`, if any (its request was freed). Left for the sweep while the
     /// map is held by another call (the entry's hints then only miss).
     pub(crate) fn forget(&self, id: &Bound<'_, PyString>) {
-        let removed = try_lock_cell(id.py(), &self.state)
-            .and_then(|mut s| s.entries.remove(&(id.as_ptr() as usize)));
+        let removed = try_lock_cell(id.py(), &self.state).and_then(|mut s| {
+            let i = s.index.remove(&(id.as_ptr() as usize))?;
+            s.free.push(i);
+            s.slab.get_mut(i as usize).and_then(Option::take)
+        });
         // The id's reference is released after the map is.
         drop(removed);
     }
 
     /// How many entries the map holds.
     pub(crate) fn len(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(lock_cell(py, &self.state, "plain request map")?
-            .entries
-            .len())
+        Ok(lock_cell(py, &self.state, "plain request map")?.index.len())
     }
 }

@@ -235,11 +235,15 @@ pub(crate) fn tokens_only_meta(
     ))
 }
 
-/// The token ids of an event: its carried list ([`tokens_only_meta`]) or a list of its ids.
-pub(crate) fn token_ids_to_py<'py>(py: Python<'py>, ids: &TokenIds) -> PyResult<Bound<'py, PyAny>> {
+/// The token ids of an event: its carried list ([`tokens_only_meta`]), moved out when the
+/// event is its only holder, or a list of its ids.
+pub(crate) fn token_ids_into_py(py: Python<'_>, ids: TokenIds) -> PyResult<Bound<'_, PyAny>> {
     match ids {
         TokenIds::Ids(v) => Ok(PyList::new(py, v)?.into_any()),
-        TokenIds::Carried(c) => Ok(carried_list(py, c)?.into_any()),
+        TokenIds::Carried(c) => match c.try_take::<Py<PyList>>() {
+            Ok(list) => Ok(list.into_bound(py).into_any()),
+            Err(shared) => Ok(carried_list(py, &shared)?.into_any()),
+        },
     }
 }
 
