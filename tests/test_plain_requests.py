@@ -339,6 +339,60 @@ def test_plain_request_hints_follow_their_ids() -> None:
     assert plain_mgr._num_plain_hints == 1
 
 
+def test_plain_request_entries_follow_any_call_order() -> None:
+    """Each entry notes the entry found after it, which the next call checks before the index:
+    a steady order, then a reversed, rotated and shuffled one, a request freed from the middle
+    (its slab slot reused by a new request) and a request called twice in a row all give what
+    attribute reads give."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def scenario(mgr: KVCacheManager, cls: type[PlainRequest]) -> list[Any]:
+        rng = random.Random(3)
+        log: list[Any] = []
+        reqs: list[Any] = []
+
+        def admit(name: str) -> None:
+            req: Any = cls(name, [rng.randrange(50) for _ in range(rng.randrange(1, 9))], hasher)
+            log.append(outcome(mgr.allocate_slots, req, req.num_tokens))
+            req.num_computed_tokens = req.num_tokens
+            req.status = RUNNING
+            req.append(1)
+            reqs.append(req)
+
+        def step(order: list[Any]) -> None:
+            for req in order:
+                log.append(outcome(mgr.allocate_slots, req, 1))
+                req.num_computed_tokens += 1
+                req.append(rng.randrange(50))
+            log.append([mgr.get_block_ids(r.request_id) for r in reqs])
+
+        for i in range(6):
+            admit(f"s{i}")
+        for _ in range(5):
+            step(reqs)
+        step(reqs[::-1])
+        step(reqs[2:] + reqs[:2])
+        mgr.free(reqs.pop(3))
+        admit("late")
+        step(reqs)
+        step(rng.sample(reqs, len(reqs)))
+        step([reqs[0], reqs[0], *reqs[1:]])
+        for req in reqs:
+            mgr.free(req)
+        log.append(mgr.block_pool.get_num_free_blocks())
+        return log
+
+    def manager() -> KVCacheManager:
+        return PlainManager(
+            config(True), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+        )
+
+    log = scenario(manager(), PlainRequest)
+    assert None not in log  # every allocation fitted
+    assert log == scenario(manager(), DuckRequest)
+
+
 def test_plain_request_hints_stay_bounded() -> None:
     """Entries whose request is gone without its own id str being freed (freed under an equal
     str) are swept as the map grows: the map stays within a small multiple of the live ones."""
