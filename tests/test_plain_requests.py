@@ -67,6 +67,24 @@ class PlainManager(KVCacheManager):
     _plain_request_class: ClassVar[tuple[type, str] | None] = (PlainRequest, "_all_token_ids")
 
 
+class WidePlainRequest(PlainRequest):
+    """A request with as many attributes as vLLM's: CPython gives its instances dicts with keys
+    of their own (a small class's instances share theirs)."""
+
+    def __init__(self, request_id: str, prompt: list[int], hasher: Any) -> None:
+        super().__init__(request_id, prompt, hasher)
+        for i in range(40):
+            setattr(self, f"extra_{i}", i)
+
+
+class WideDuckRequest(WidePlainRequest):
+    """The wide request, read by attribute lookup."""
+
+
+class WidePlainManager(KVCacheManager):
+    _plain_request_class: ClassVar[tuple[type, str] | None] = (WidePlainRequest, "_all_token_ids")
+
+
 def config(hybrid: bool) -> KVCacheConfig:
     groups = [KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=BLOCK, **ATTN))]
     if hybrid:
@@ -163,19 +181,33 @@ def play(mgr: KVCacheManager, cls: type[PlainRequest], seed: int) -> list[Any]:
     return log
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["shared-keys", "own-keys"])
 @pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_plain_request_reads_as_by_attribute(hybrid: bool, seed: int) -> None:
+def test_a_plain_request_reads_as_by_attribute(wide: bool, hybrid: bool, seed: int) -> None:
+    plain_cls, duck_cls = (
+        (WidePlainRequest, WideDuckRequest) if wide else (PlainRequest, DuckRequest)
+    )
+
     def manager() -> KVCacheManager:
-        return events_manager(hybrid)
+        mgr = events_manager(hybrid)
+        if wide:
+            mgr = WidePlainManager(
+                config(hybrid),
+                max_model_len=256,
+                scheduler_block_size=BLOCK,
+                hash_block_size=BLOCK,
+                enable_kv_cache_events=True,
+            )
+        return mgr
 
     init_none_hash(sha256)
-    plain = play(manager(), PlainRequest, seed)
+    plain = play(manager(), plain_cls, seed)
     duck = [
-        (x[0], x[1], x[2].replace("DuckRequest", "PlainRequest"))
+        (x[0], x[1], x[2].replace(duck_cls.__name__, plain_cls.__name__))
         if isinstance(x, tuple) and x and x[0] == "raised"
         else x
-        for x in play(manager(), DuckRequest, seed)
+        for x in play(manager(), duck_cls, seed)
     ]
     assert plain == duck
     assert any(isinstance(x, list) and x for x in plain)  # events were compared
@@ -391,6 +423,59 @@ def test_plain_request_entries_follow_any_call_order() -> None:
     log = scenario(manager(), PlainRequest)
     assert None not in log  # every allocation fitted
     assert log == scenario(manager(), DuckRequest)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["shared-keys", "own-keys"])
+def test_a_plain_request_whose_dict_changes_layout_reads_as_by_attribute(wide: bool) -> None:
+    """The decode fields are read at the dict entry where the last request had them (as
+    CPython's attribute cache reads them); a dict whose entries moved (a field deleted and set
+    again goes to the end), lost a field, or grew is read by lookup, as attribute reads read it."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    plain_cls, duck_cls = (
+        (WidePlainRequest, WideDuckRequest) if wide else (PlainRequest, DuckRequest)
+    )
+    manager_cls = WidePlainManager if wide else PlainManager
+
+    def scenario(cls: type[PlainRequest]) -> list[Any]:
+        mgr = manager_cls(
+            config(False), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+        )
+        log: list[Any] = []
+        reqs: list[Any] = [cls(f"w{i}", list(range(i, i + 5)), hasher) for i in range(4)]
+        for req in reqs:
+            log.append(outcome(mgr.allocate_slots, req, req.num_tokens))
+            req.num_computed_tokens = req.num_tokens
+            req.status = RUNNING
+            req.append(1)
+        for step in range(12):
+            if step == 3:  # fields move to the end of one dict, then of another
+                for name in ("num_computed_tokens", "request_id", "_all_token_ids"):
+                    value = getattr(reqs[1], name)
+                    delattr(reqs[1], name)
+                    setattr(reqs[1], name, value)
+            if step == 5:
+                reqs[2].extra_field = step  # the dict grows
+            if step == 7:
+                del reqs[3].num_computed_tokens  # a field missing: the error of attribute reads
+            for req in reqs:
+                log.append(outcome(mgr.allocate_slots, req, 1))
+                if hasattr(req, "num_computed_tokens"):
+                    req.num_computed_tokens += 1
+                req.append(step)
+            if step == 8:
+                reqs[3].num_computed_tokens = reqs[3].num_tokens - 1
+        log.append([mgr.get_block_ids(r.request_id) for r in reqs])
+        return [
+            (x[0], x[1], x[2].replace(duck_cls.__name__, plain_cls.__name__))
+            if isinstance(x, tuple) and x and x[0] == "raised"
+            else x
+            for x in log
+        ]
+
+    plain = scenario(plain_cls)
+    assert plain == scenario(duck_cls)
+    assert any(isinstance(x, tuple) and x and x[0] == "raised" for x in plain)
 
 
 def test_plain_request_hints_stay_bounded() -> None:

@@ -666,12 +666,13 @@ impl Inner {
         args: &AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
     ) -> Noop<'_, 'py> {
-        let Some((id, computed, prompt)) = plain.decode_fields(self.reads_prompt) else {
+        let Some((id, computed, prompt, id_slot)) = plain.decode_fields(self.reads_prompt) else {
             return Noop::Unknown;
         };
         let Ok(Some(entry)) = self.plain_hints.entry(&id) else {
             return Noop::Unknown;
         };
+        entry.id_slot.set(id_slot);
         let view = RequestView {
             id: &entry.key,
             num_computed_tokens: computed,

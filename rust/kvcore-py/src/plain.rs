@@ -10,6 +10,8 @@
 //! cache salt or prompt embeddings reads its tokens from that list. The registration checks
 //! the class, so a dict lookup finds exactly what `getattr` would; an instance that does not
 //! fit (no dict, the token attribute not a list) is read by attribute lookup like any other.
+//! On CPython 3.11 a decode call's fields are read at the dict entries where the previous
+//! request had them, as CPython's own attribute cache reads them ([`DictHints`]).
 
 use pyo3::exceptions::PyAttributeError;
 use pyo3::intern;
@@ -17,6 +19,7 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::Borrowed;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::args::{count_of, exact_int, request_id_of, COUNT_CAP};
 use crate::errors::invalid;
@@ -47,6 +50,174 @@ pub(crate) struct PlainClass {
     cls: Py<PyType>,
     /// The list attribute whose length is `num_tokens` and whose items are the token ids.
     tokens: Py<PyString>,
+    /// Whether instance dicts are read by entry index ([`DictHints`]): CPython 3.11, whose
+    /// dict layout that assumes, checked on probe dicts ([`dicts_are_311`]).
+    hinted: bool,
+}
+
+/// Where a decode call's fields sit in a plain request's instance dict, read as CPython 3.11's
+/// own attribute cache reads them (`LOAD_ATTR_WITH_HINT`): the entry at a remembered index,
+/// taken when its key is the field's interned name, instead of a hash lookup.
+///
+/// A vLLM `Request` has more attributes than CPython shares between instances, so each
+/// request's dict has a hash table of its own; the scheduler's code reads fields through its
+/// attribute cache and never touches that table, so a hash lookup of each field from the
+/// manager lands on lines nothing else keeps in the caches, one miss per call and field
+/// (measured inside vLLM's step: the lookup of `request_id` alone cost a decode call about
+/// 0.1 µs). Instances of one class set their attributes in the same order, so one index per
+/// field serves them all (the indices are the process's, shared by plain classes: only
+/// hints); a dict where the index does not name the field (another layout, a deleted
+/// attribute) is read by hash lookup, which then refreshes the index.
+struct DictHints {
+    request_id: AtomicU32,
+    num_computed_tokens: AtomicU32,
+    num_prompt_tokens: AtomicU32,
+    tokens: AtomicU32,
+}
+
+static DICT_HINTS: DictHints = DictHints {
+    request_id: AtomicU32::new(0),
+    num_computed_tokens: AtomicU32::new(0),
+    num_prompt_tokens: AtomicU32::new(0),
+    tokens: AtomicU32::new(0),
+};
+
+/// CPython 3.11's dict layout (`Include/cpython/dictobject.h`, `Include/internal/pycore_dict.h`):
+/// the byte offsets [`dict_entry`] reads.
+mod layout {
+    /// `PyDictObject.ma_keys`.
+    pub(super) const MA_KEYS: usize = 32;
+    /// `PyDictObject.ma_values`.
+    pub(super) const MA_VALUES: usize = 40;
+    /// `PyDictKeysObject.dk_log2_index_bytes` (u8).
+    pub(super) const DK_LOG2_INDEX_BYTES: usize = 9;
+    /// `PyDictKeysObject.dk_kind` (u8): 1 unicode keys (combined), 2 split.
+    pub(super) const DK_KIND: usize = 10;
+    /// `PyDictKeysObject.dk_nentries` (`Py_ssize_t`).
+    pub(super) const DK_NENTRIES: usize = 24;
+    /// `PyDictKeysObject.dk_indices`, followed by the entries.
+    pub(super) const DK_INDICES: usize = 32;
+    pub(super) const KIND_UNICODE: u8 = 1;
+    pub(super) const KIND_SPLIT: u8 = 2;
+}
+
+/// The value of entry `ix` of a 3.11 dict whose keys are all str, when its key is `name`, and
+/// the address of the value's slot; `None` otherwise (the caller then looks the key up).
+///
+/// # Safety
+/// The GIL is held, `dict` is a live exact dict, and CPython's dict layout is 3.11's
+/// ([`PlainClass::new`] checks the version and a probe dict before it allows this).
+#[allow(unsafe_code)]
+#[inline]
+unsafe fn dict_entry(
+    dict: *mut pyo3::ffi::PyObject,
+    name: *mut pyo3::ffi::PyObject,
+    ix: u32,
+) -> Option<(*mut pyo3::ffi::PyObject, usize)> {
+    use layout::*;
+    // SAFETY (of every read): the caller guarantees 3.11's layout. `ma_keys` of a live dict
+    // is a live keys object; `ix` is checked against its `dk_nentries`, and a keys object of
+    // `dk_kind` 1 or 2 holds that many 16-byte (key, value) entries after its
+    // `1 << dk_log2_index_bytes` index bytes; a split dict's `ma_values` holds a value for
+    // each of its shared keys' entries. Nothing is written.
+    unsafe {
+        let d = dict.cast::<u8>();
+        let keys = *d.add(MA_KEYS).cast::<*const u8>();
+        let kind = *keys.add(DK_KIND);
+        let nentries = *keys.add(DK_NENTRIES).cast::<isize>();
+        if !(kind == KIND_UNICODE || kind == KIND_SPLIT) || (ix as isize) >= nentries {
+            return None;
+        }
+        let entries = keys
+            .add(DK_INDICES + (1usize << *keys.add(DK_LOG2_INDEX_BYTES)))
+            .cast::<[*mut pyo3::ffi::PyObject; 2]>();
+        let entry = entries.add(ix as usize);
+        if (*entry)[0] != name {
+            return None;
+        }
+        let slot: *const *mut pyo3::ffi::PyObject = if kind == KIND_SPLIT {
+            let values = *d.add(MA_VALUES).cast::<*const *mut pyo3::ffi::PyObject>();
+            if values.is_null() {
+                return None;
+            }
+            values.add(ix as usize)
+        } else {
+            std::ptr::addr_of!((*entry)[1])
+        };
+        let value = *slot;
+        (!value.is_null()).then_some((value, slot as usize))
+    }
+}
+
+/// The index of `name`'s entry in a 3.11 dict whose keys are all str, if it has one.
+///
+/// # Safety
+/// As [`dict_entry`].
+#[allow(unsafe_code)]
+#[cold]
+#[inline(never)]
+unsafe fn find_entry(
+    dict: *mut pyo3::ffi::PyObject,
+    name: *mut pyo3::ffi::PyObject,
+) -> Option<u32> {
+    use layout::*;
+    // SAFETY: as in `dict_entry`; every index read is below `dk_nentries`.
+    unsafe {
+        let keys = *dict.cast::<u8>().add(MA_KEYS).cast::<*const u8>();
+        let kind = *keys.add(DK_KIND);
+        if !(kind == KIND_UNICODE || kind == KIND_SPLIT) {
+            return None;
+        }
+        let n = usize::try_from(*keys.add(DK_NENTRIES).cast::<isize>()).ok()?;
+        let entries = keys
+            .add(DK_INDICES + (1usize << *keys.add(DK_LOG2_INDEX_BYTES)))
+            .cast::<[*mut pyo3::ffi::PyObject; 2]>();
+        (0..n)
+            .find(|&i| (*entries.add(i))[0] == name)
+            .and_then(|i| u32::try_from(i).ok())
+    }
+}
+
+/// Whether this interpreter's dicts have CPython 3.11's layout: the version, and entries
+/// read by [`dict_entry`] from a probe dict of each kind (a class's instance dict, whose keys
+/// are shared, and a dict with keys of its own) that match its lookups.
+fn dicts_are_311(py: Python<'_>) -> bool {
+    static CHECKED: GILOnceCell<bool> = GILOnceCell::new();
+    *CHECKED.get_or_init(py, || probe_dicts(py).unwrap_or(false))
+}
+
+/// [`dicts_are_311`]'s check.
+fn probe_dicts(py: Python<'_>) -> PyResult<bool> {
+    let version = py.version_info();
+    if (version.major, version.minor) != (3, 11) {
+        return Ok(false);
+    }
+    let locals = PyDict::new(py);
+    py.run(
+        c"class P:\n    def __init__(self):\n        self.a, self.b = 1, 2\nsplit = P().__dict__\ncombined = {'x': 3, 'y': 4, 'b': 5}\n",
+        None,
+        Some(&locals),
+    )?;
+    let b = intern!(py, "b");
+    for name in ["split", "combined"] {
+        let Some(dict) = locals.get_item(name)? else {
+            return Ok(false);
+        };
+        let dict = dict.downcast_into_exact::<PyDict>()?;
+        let Some(expected) = dict.get_item(b)? else {
+            return Ok(false);
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: the version is 3.11; `dict` is a live exact dict.
+        let found = unsafe {
+            find_entry(dict.as_ptr(), b.as_ptr())
+                .and_then(|ix| dict_entry(dict.as_ptr(), b.as_ptr(), ix))
+        };
+        if found.map(|(v, _)| v) != Some(expected.as_ptr()) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 impl PlainClass {
@@ -86,6 +257,7 @@ impl PlainClass {
         Ok(Self {
             cls: cls.clone().unbind(),
             tokens: tokens.clone().unbind(),
+            hinted: dicts_are_311(py),
         })
     }
 
@@ -109,15 +281,16 @@ impl PlainClass {
             )
         };
         let dict = dict.ok()?.downcast_into_exact::<PyDict>().ok()?;
-        let tokens = dict
-            .get_item(self.tokens.bind(py))
-            .ok()??
+        let tokens = dict_get(&dict, self.tokens.bind(py), &DICT_HINTS.tokens, self.hinted)?
+            .0
+            .to_owned()
             .downcast_into_exact::<PyList>()
             .ok()?;
         Some(PlainRequest {
             request: request.clone(),
             dict,
             tokens,
+            hinted: self.hinted,
         })
     }
 }
@@ -127,6 +300,50 @@ pub(crate) struct PlainRequest<'py> {
     request: Bound<'py, PyAny>,
     dict: Bound<'py, PyDict>,
     tokens: Bound<'py, PyList>,
+    /// Whether the dict is read by entry index ([`DictHints`]).
+    hinted: bool,
+}
+
+/// `dict[name]`, borrowed (no reference counted: valid until Python code runs, which could
+/// replace it), and the address of its value's slot when read by entry index (0 otherwise):
+/// by the entry `hint` names when `hinted` and it is `name`'s, else by hash lookup (which
+/// refreshes `hint`). `None` when the dict has no such key.
+#[inline]
+fn dict_get<'a, 'py>(
+    dict: &'a Bound<'py, PyDict>,
+    name: &Bound<'py, PyString>,
+    hint: &AtomicU32,
+    hinted: bool,
+) -> Option<(Borrowed<'a, 'py, PyAny>, usize)> {
+    let py = dict.py();
+    #[allow(unsafe_code)]
+    // SAFETY: the GIL is held (`py`); `dict` is a live exact dict and `name` an exact str; the
+    // entry reads run only where `dicts_are_311` holds (`hinted`). Both reads return a
+    // reference borrowed from the dict, which lives as long as `'a`, or nothing. A failed
+    // lookup (a key of another type whose `__eq__` raised) has its error taken off the
+    // thread, so that the caller's general path reports its own.
+    unsafe {
+        if hinted {
+            if let Some((value, slot)) =
+                dict_entry(dict.as_ptr(), name.as_ptr(), hint.load(Ordering::Relaxed))
+            {
+                return Some((Borrowed::from_ptr(py, value), slot));
+            }
+        }
+        let item = pyo3::ffi::PyDict_GetItemWithError(dict.as_ptr(), name.as_ptr());
+        if item.is_null() {
+            if !pyo3::ffi::PyErr_Occurred().is_null() {
+                drop(PyErr::take(py));
+            }
+            return None;
+        }
+        if hinted {
+            if let Some(ix) = find_entry(dict.as_ptr(), name.as_ptr()) {
+                hint.store(ix, Ordering::Relaxed);
+            }
+        }
+        Some((Borrowed::from_ptr(py, item), 0))
+    }
 }
 
 impl<'py> PlainRequest<'py> {
@@ -142,42 +359,32 @@ impl<'py> PlainRequest<'py> {
     pub(crate) fn decode_fields(
         &self,
         prompt: bool,
-    ) -> Option<(Borrowed<'_, 'py, PyAny>, usize, usize)> {
+    ) -> Option<(Borrowed<'_, 'py, PyAny>, usize, usize, usize)> {
         let py = self.dict.py();
-        let count = |name: &Bound<'py, PyString>| -> Option<usize> {
-            let value = self.borrowed(name)?;
+        let count = |name: &Bound<'py, PyString>, hint: &AtomicU32| -> Option<usize> {
+            let (value, _) = dict_get(&self.dict, name, hint, self.hinted)?;
             exact_int(&value)?.count_capped(COUNT_CAP)
         };
-        let computed = count(intern!(py, "num_computed_tokens"))?;
+        let computed = count(
+            intern!(py, "num_computed_tokens"),
+            &DICT_HINTS.num_computed_tokens,
+        )?;
         let prompt = if prompt {
-            count(intern!(py, "num_prompt_tokens"))?
+            count(
+                intern!(py, "num_prompt_tokens"),
+                &DICT_HINTS.num_prompt_tokens,
+            )?
         } else {
             0
         };
         // Read last, so that no lookup runs between this one and the caller's use of the id.
-        let id = self.borrowed(intern!(py, "request_id"))?;
-        Some((id, computed, prompt))
-    }
-
-    /// The dict's value for `name`, borrowed (no reference counted): valid until Python code
-    /// runs, which could replace it. `None` when the dict has no such key.
-    #[inline]
-    fn borrowed(&self, name: &Bound<'py, PyString>) -> Option<Borrowed<'_, 'py, PyAny>> {
-        let py = self.dict.py();
-        #[allow(unsafe_code)]
-        // SAFETY: the GIL is held (`py`) and `self.dict` is an exact dict this struct holds a
-        // reference to; `name` is an exact str. The call returns a reference borrowed from the
-        // dict, or NULL when the key is absent or the lookup failed (a key of another type
-        // whose `__eq__` raised), in which case the error is taken off the thread so that the
-        // caller's general path reports its own. The `Borrowed` cannot outlive `&self`, hence
-        // the dict, and the caller uses it before any Python code runs (see `decode_fields`).
-        unsafe {
-            let item = pyo3::ffi::PyDict_GetItemWithError(self.dict.as_ptr(), name.as_ptr());
-            if item.is_null() && !pyo3::ffi::PyErr_Occurred().is_null() {
-                drop(PyErr::take(py));
-            }
-            Borrowed::from_ptr_or_opt(py, item)
-        }
+        let (id, id_slot) = dict_get(
+            &self.dict,
+            intern!(py, "request_id"),
+            &DICT_HINTS.request_id,
+            self.hinted,
+        )?;
+        Some((id, computed, prompt, id_slot))
     }
 
     /// `num_tokens`: the token list's length.
@@ -340,11 +547,12 @@ impl<'a, 'py> Fields<'a, 'py> {
 ///
 /// The entries live in a slab, indexed by id address. A scheduler calls its running requests
 /// in the same order every step, so each entry also notes which entry was found after it last
-/// time, and where that entry and its table slot are: the call after it checks that entry
-/// first (one comparison of addresses instead of a hash lookup, whose probe lands on a line
-/// of the index that the scheduler's own work between calls has pushed out of the caches),
-/// and both lines are prefetched when the entry before is found, so that they arrive while
-/// the scheduler's own code runs up to that call. The addresses are only ever prefetched (a
+/// time, and where that entry, its table slot and its request's `request_id` dict entry
+/// ([`DictHints`]; the one field the scheduler itself does not read before the call) are: the
+/// call after it checks that entry first (one comparison of addresses instead of a hash
+/// lookup, whose probe lands on a line of the index that the scheduler's own work between
+/// calls has pushed out of the caches), and all three are prefetched when the entry before is
+/// found, so that they arrive while the scheduler's own code runs up to that call. The addresses are only ever prefetched (a
 /// stale one costs a useless fetch) and the noted entry is used only when its id address is
 /// the call's. The map is GIL-guarded state ([`GilCell`]): a call holds its request's entry in
 /// place for the call ([`PlainHints::entry`]). A call that finds the map held (another
@@ -383,9 +591,11 @@ pub(crate) struct PlainEntry {
     /// The entry found after this one last time: its slab index and the address of its
     /// first-group table slot. Prefetched when this entry is found, and checked first by the
     /// next call. Hints for the cache and the lookup only.
-    next: std::cell::Cell<(u32, usize)>,
+    next: std::cell::Cell<(u32, usize, usize)>,
     /// Where this entry's request's first-group table slot was on its last call.
     pub(crate) slot_addr: std::cell::Cell<usize>,
+    /// Where its request's dict kept the `request_id` value on its last call (0: not known).
+    pub(crate) id_slot: std::cell::Cell<usize>,
     /// The id's table key (`crate::args::id_key`).
     pub(crate) key: String,
     /// One hint cell per group, the first [`INLINE_HINTS`] groups.
@@ -415,13 +625,14 @@ impl PlainMap {
         };
         self.prev = i;
         let entry = self.at(i)?;
-        let (next, next_slot) = entry.next.get();
+        let (next, next_slot, next_id) = entry.next.get();
         if let Some(p) = self.at(prev) {
-            p.next.set((i, entry.slot_addr.get()));
+            p.next.set((i, entry.slot_addr.get(), entry.id_slot.get()));
         }
         if next != NO_ENTRY {
             kvcore_core::prefetch::prefetch(self.slab.as_ptr().wrapping_add(next as usize));
             kvcore_core::prefetch::prefetch(next_slot as *const u8);
+            kvcore_core::prefetch::prefetch(next_id as *const u8);
         }
         Some(i)
     }
@@ -485,8 +696,9 @@ impl PlainHints {
         }
         let entry = PlainEntry {
             id_addr: addr,
-            next: std::cell::Cell::new((NO_ENTRY, 0)),
+            next: std::cell::Cell::new((NO_ENTRY, 0, 0)),
             slot_addr: std::cell::Cell::new(0),
+            id_slot: std::cell::Cell::new(0),
             key,
             hints: Default::default(),
             id: id.clone().unbind(),
