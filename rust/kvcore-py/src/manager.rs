@@ -471,7 +471,7 @@ impl Inner {
         let mut known_prompt = None;
         let id_src;
         // Where a plain request's entry notes its table slot.
-        let mut slot_cell: Option<&std::cell::Cell<usize>> = None;
+        let mut slot_cell: Option<&std::cell::Cell<[usize; 2]>> = None;
         let id_key_obj;
         // The table key and, where the request has them, its slot hints.
         let (id, hints, num_tokens, num_computed, status): (&str, &[HintCell], _, _, _) =
@@ -736,7 +736,7 @@ impl Inner {
         &self,
         py: Python<'_>,
         view: &RequestView<'_>,
-        slot: Option<&std::cell::Cell<usize>>,
+        slot: Option<&std::cell::Cell<[usize; 2]>>,
         args: &AllocateArgs<'_>,
         next: Option<(&Bound<'_, PyList>, usize)>,
     ) -> bool {
@@ -754,13 +754,20 @@ impl Inner {
         noop
     }
 
-    /// Notes where a plain request's first-group table slot is (its hint's), for the call before
-    /// it to prefetch next step ([`crate::plain::PlainHints::entry`]).
+    /// Notes where a plain request's table slots of the first two groups are (its hints'), for
+    /// the call before it to prefetch next step ([`crate::plain::PlainHints::entry`]).
     #[inline]
-    fn note_slot(core: &Coordinator, cell: Option<&std::cell::Cell<usize>>, hints: &[HintCell]) {
+    fn note_slot(
+        core: &Coordinator,
+        cell: Option<&std::cell::Cell<[usize; 2]>>,
+        hints: &[HintCell],
+    ) {
         if let Some(cell) = cell {
-            let hint = hints.first().and_then(HintCell::get);
-            cell.set(core.groups[0].tables.slot_addr(hint));
+            let slot = |g: usize| match (core.groups.get(g), hints.get(g)) {
+                (Some(group), Some(h)) => group.tables.slot_addr(h.get()),
+                _ => 0,
+            };
+            cell.set([slot(0), slot(1)]);
         }
     }
 

@@ -547,15 +547,16 @@ impl<'a, 'py> Fields<'a, 'py> {
 ///
 /// The entries live in a slab, indexed by id address. A scheduler calls its running requests
 /// in the same order every step, so each entry also notes which entry was found after it last
-/// time, and where that entry, its table slot and its request's `request_id` dict entry
-/// ([`DictHints`]; the one field the scheduler itself does not read before the call) are: the
-/// call after it checks that entry first (one comparison of addresses instead of a hash
-/// lookup, whose probe lands on a line of the index that the scheduler's own work between
-/// calls has pushed out of the caches), and all three are prefetched when the entry before is
-/// found, so that they arrive while the scheduler's own code runs up to that call. The addresses are only ever prefetched (a
-/// stale one costs a useless fetch) and the noted entry is used only when its id address is
-/// the call's. The map is GIL-guarded state ([`GilCell`]): a call holds its request's entry in
-/// place for the call ([`PlainHints::entry`]). A call that finds the map held (another
+/// time, and where that entry, its table slots (of the first two groups) and its request's
+/// `request_id` dict entry ([`DictHints`]; the one field the scheduler itself does not read
+/// before the call) are: the call after it checks that entry first (one comparison of
+/// addresses instead of a hash lookup, whose probe lands on a line of the index that the
+/// scheduler's own work between calls has pushed out of the caches), and all of them are
+/// prefetched when the entry before is found, so that they arrive while the scheduler's own
+/// code runs up to that call. The addresses are only ever prefetched (a stale one costs a
+/// useless fetch) and the noted entry is used only when its id address is the call's. The map
+/// is GIL-guarded state ([`GilCell`]): a call holds its request's entry in place for the call
+/// ([`PlainHints::entry`]). A call that finds the map held (another
 /// thread's call that let the GIL go, or a re-entrant one) does without it and reads the id,
 /// as for any duck-typed request.
 pub(crate) struct PlainHints {
@@ -591,9 +592,9 @@ pub(crate) struct PlainEntry {
     /// The entry found after this one last time: its slab index and the address of its
     /// first-group table slot. Prefetched when this entry is found, and checked first by the
     /// next call. Hints for the cache and the lookup only.
-    next: std::cell::Cell<(u32, usize, usize)>,
-    /// Where this entry's request's first-group table slot was on its last call.
-    pub(crate) slot_addr: std::cell::Cell<usize>,
+    next: std::cell::Cell<(u32, [usize; 2], usize)>,
+    /// Where this entry's request's table slots of the first two groups were on its last call.
+    pub(crate) slot_addr: std::cell::Cell<[usize; 2]>,
     /// Where its request's dict kept the `request_id` value on its last call (0: not known).
     pub(crate) id_slot: std::cell::Cell<usize>,
     /// The id's table key (`crate::args::id_key`).
@@ -631,7 +632,8 @@ impl PlainMap {
         }
         if next != NO_ENTRY {
             kvcore_core::prefetch::prefetch(self.slab.as_ptr().wrapping_add(next as usize));
-            kvcore_core::prefetch::prefetch(next_slot as *const u8);
+            kvcore_core::prefetch::prefetch(next_slot[0] as *const u8);
+            kvcore_core::prefetch::prefetch(next_slot[1] as *const u8);
             kvcore_core::prefetch::prefetch(next_id as *const u8);
         }
         Some(i)
@@ -696,8 +698,8 @@ impl PlainHints {
         }
         let entry = PlainEntry {
             id_addr: addr,
-            next: std::cell::Cell::new((NO_ENTRY, 0, 0)),
-            slot_addr: std::cell::Cell::new(0),
+            next: std::cell::Cell::new((NO_ENTRY, [0; 2], 0)),
+            slot_addr: std::cell::Cell::new([0; 2]),
             id_slot: std::cell::Cell::new(0),
             key,
             hints: Default::default(),
