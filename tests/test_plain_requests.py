@@ -425,8 +425,11 @@ def test_plain_request_entries_follow_any_call_order() -> None:
     assert log == scenario(manager(), DuckRequest)
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("wide", [False, True], ids=["shared-keys", "own-keys"])
-def test_a_plain_request_whose_dict_changes_layout_reads_as_by_attribute(wide: bool) -> None:
+def test_a_plain_request_whose_dict_changes_layout_reads_as_by_attribute(
+    wide: bool, hybrid: bool
+) -> None:
     """The decode fields are read at the dict entry where the last request had them (as
     CPython's attribute cache reads them); a dict whose entries moved (a field deleted and set
     again goes to the end), lost a field, or grew is read by lookup, as attribute reads read it."""
@@ -439,7 +442,7 @@ def test_a_plain_request_whose_dict_changes_layout_reads_as_by_attribute(wide: b
 
     def scenario(cls: type[PlainRequest]) -> list[Any]:
         mgr = manager_cls(
-            config(False), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+            config(hybrid), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
         )
         log: list[Any] = []
         reqs: list[Any] = [cls(f"w{i}", list(range(i, i + 5)), hasher) for i in range(4)]

@@ -491,10 +491,23 @@ impl Inner {
                 id_src = if let Some((entry, computed, prompt)) = read {
                     (known_computed, known_prompt) = (Some(computed), Some(prompt));
                     IdSource::Plain(entry)
-                } else if matches!(fields, Fields::Plain(_)) {
-                    let id = fields.get(intern!(py, "request_id"))?;
+                } else if let Fields::Plain(p) = &fields {
+                    // The fields a decode call reads, at their dict entries, when they are
+                    // exact ints in range (else read below, which raises what is wrong).
+                    let mut id_slot = 0;
+                    let id = match p.decode_fields(self.reads_prompt) {
+                        Some((id, computed, prompt, slot)) => {
+                            (known_computed, known_prompt) = (Some(computed), Some(prompt));
+                            id_slot = slot;
+                            id.to_owned()
+                        }
+                        None => fields.get(intern!(py, "request_id"))?,
+                    };
                     match self.plain_hints.entry(&id)? {
-                        Some(entry) => IdSource::Plain(entry),
+                        Some(entry) => {
+                            entry.id_slot.set(id_slot);
+                            IdSource::Plain(entry)
+                        }
                         None => IdSource::Str(request_id_of(&id)?.clone()),
                     }
                 } else {

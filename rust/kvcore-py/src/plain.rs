@@ -627,7 +627,9 @@ impl PlainMap {
         self.prev = i;
         let entry = self.at(i)?;
         let (next, next_slot, next_id) = entry.next.get();
-        if let Some(p) = self.at(prev) {
+        // (A second lookup of the entry found last notes nothing: an entry is not its own
+        // successor.)
+        if let Some(p) = self.at(prev).filter(|_| prev != i) {
             p.next.set((i, entry.slot_addr.get(), entry.id_slot.get()));
         }
         if next != NO_ENTRY {
