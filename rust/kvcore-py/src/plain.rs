@@ -129,7 +129,7 @@ unsafe fn dict_entry(
             return None;
         }
         let entries = keys
-            .add(DK_INDICES + (1usize << *keys.add(DK_LOG2_INDEX_BYTES)))
+            .add(DK_INDICES + 1usize.checked_shl(u32::from(*keys.add(DK_LOG2_INDEX_BYTES)))?)
             .cast::<[*mut pyo3::ffi::PyObject; 2]>();
         let entry = entries.add(ix as usize);
         if (*entry)[0] != name {
@@ -170,7 +170,7 @@ unsafe fn find_entry(
         }
         let n = usize::try_from(*keys.add(DK_NENTRIES).cast::<isize>()).ok()?;
         let entries = keys
-            .add(DK_INDICES + (1usize << *keys.add(DK_LOG2_INDEX_BYTES)))
+            .add(DK_INDICES + 1usize.checked_shl(u32::from(*keys.add(DK_LOG2_INDEX_BYTES)))?)
             .cast::<[*mut pyo3::ffi::PyObject; 2]>();
         (0..n)
             .find(|&i| (*entries.add(i))[0] == name)
