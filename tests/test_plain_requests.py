@@ -94,15 +94,32 @@ def config(hybrid: bool) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=48, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def events_manager(hybrid: bool) -> KVCacheManager:
+def events_manager(hybrid: bool, cls: type[KVCacheManager] = PlainManager) -> KVCacheManager:
     """A plain-class manager of `config(hybrid)` with KV events on."""
-    return PlainManager(
+    return plain_manager(hybrid, cls, enable_kv_cache_events=True)
+
+
+def plain_manager(
+    hybrid: bool, cls: type[KVCacheManager] = PlainManager, **kwargs: Any
+) -> KVCacheManager:
+    """A manager of class `cls` (a plain class's) over `config(hybrid)`."""
+    return cls(
         config(hybrid),
         max_model_len=256,
         scheduler_block_size=BLOCK,
         hash_block_size=BLOCK,
-        enable_kv_cache_events=True,
+        **kwargs,
     )
+
+
+def as_plain(log: list[Any], duck_cls: type, plain_cls: type) -> list[Any]:
+    """`log` with the duck class's name in error messages read as the plain class's."""
+    return [
+        (x[0], x[1], x[2].replace(duck_cls.__name__, plain_cls.__name__))
+        if isinstance(x, tuple) and x and x[0] == "raised"
+        else x
+        for x in log
+    ]
 
 
 def outcome(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -190,25 +207,11 @@ def test_a_plain_request_reads_as_by_attribute(wide: bool, hybrid: bool, seed: i
     )
 
     def manager() -> KVCacheManager:
-        mgr = events_manager(hybrid)
-        if wide:
-            mgr = WidePlainManager(
-                config(hybrid),
-                max_model_len=256,
-                scheduler_block_size=BLOCK,
-                hash_block_size=BLOCK,
-                enable_kv_cache_events=True,
-            )
-        return mgr
+        return events_manager(hybrid, WidePlainManager if wide else PlainManager)
 
     init_none_hash(sha256)
     plain = play(manager(), plain_cls, seed)
-    duck = [
-        (x[0], x[1], x[2].replace(duck_cls.__name__, plain_cls.__name__))
-        if isinstance(x, tuple) and x and x[0] == "raised"
-        else x
-        for x in play(manager(), duck_cls, seed)
-    ]
+    duck = as_plain(play(manager(), duck_cls, seed), duck_cls, plain_cls)
     assert plain == duck
     assert any(isinstance(x, list) and x for x in plain)  # events were compared
 
@@ -360,9 +363,7 @@ def test_plain_request_hints_follow_their_ids() -> None:
         return log
 
     def manager() -> KVCacheManager:
-        return PlainManager(
-            config(True), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
-        )
+        return plain_manager(True)
 
     plain_mgr = manager()
     assert scenario(plain_mgr, PlainRequest) == scenario(manager(), DuckRequest)
@@ -416,9 +417,7 @@ def test_plain_request_entries_follow_any_call_order() -> None:
         return log
 
     def manager() -> KVCacheManager:
-        return PlainManager(
-            config(True), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
-        )
+        return plain_manager(True)
 
     log = scenario(manager(), PlainRequest)
     assert None not in log  # every allocation fitted
@@ -441,9 +440,7 @@ def test_a_plain_request_whose_dict_changes_layout_reads_as_by_attribute(
     manager_cls = WidePlainManager if wide else PlainManager
 
     def scenario(cls: type[PlainRequest]) -> list[Any]:
-        mgr = manager_cls(
-            config(hybrid), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
-        )
+        mgr = plain_manager(hybrid, manager_cls)
         log: list[Any] = []
         reqs: list[Any] = [cls(f"w{i}", list(range(i, i + 5)), hasher) for i in range(4)]
         for req in reqs:
@@ -469,12 +466,7 @@ def test_a_plain_request_whose_dict_changes_layout_reads_as_by_attribute(
             if step == 8:
                 reqs[3].num_computed_tokens = reqs[3].num_tokens - 1
         log.append([mgr.get_block_ids(r.request_id) for r in reqs])
-        return [
-            (x[0], x[1], x[2].replace(duck_cls.__name__, plain_cls.__name__))
-            if isinstance(x, tuple) and x and x[0] == "raised"
-            else x
-            for x in log
-        ]
+        return as_plain(log, duck_cls, plain_cls)
 
     plain = scenario(plain_cls)
     assert plain == scenario(duck_cls)
