@@ -1191,6 +1191,30 @@ impl Coordinator {
             })
     }
 
+    /// Whether [`Self::allocate_slots`] with these arguments may cache a full block (and so
+    /// ask for its event metadata): `false` only for a call of a request running in every
+    /// group, with token counts only, in which no group fills a block (or caching is off for
+    /// the call). A caller that must gather what the metadata reads before the tables are
+    /// held asks this first. Exact for such calls: a block fills when the tokens the call
+    /// caches reach past the request's cached blocks, which may trail its computed tokens (a
+    /// call made before the request's last token was appended caches one block short of it).
+    pub fn may_cache_a_block(
+        &self,
+        pool: &BlockPool,
+        req: &RequestView<'_>,
+        args: &AllocateArgs<'_>,
+    ) -> bool {
+        if !Self::counts_only(args) || self.groups.len() > MAX_RUNNING_GROUPS {
+            return true;
+        }
+        let t = TokenCounts::of(self, pool, req, args);
+        t.caching
+            && !self.groups.iter().enumerate().all(|(i, g)| {
+                self.running_step(i, g, req, &t)
+                    .is_some_and(|(_, s)| !s.fills)
+            })
+    }
+
     /// `allocate_slots` for a request running in every group without hits or external
     /// tokens: the general path's decisions with one table lookup per group, each group's
     /// counts from [`SingleTypeManager::running_growth`]. `Ok(None)`: not running, or a group

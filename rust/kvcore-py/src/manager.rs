@@ -37,22 +37,6 @@ use crate::sync::{lock_cell, GilCell, Guarded};
 const WAITING: i64 = 1;
 const PREEMPTED: i64 = 6;
 
-/// Whether an allocation may take a request past a block boundary of `block_size` tokens
-/// (the smallest group's), so that it caches a block (an upper bound).
-fn may_fill_a_block(
-    num_computed: usize,
-    num_tokens: usize,
-    block_size: usize,
-    args: &AllocateArgs<'_>,
-) -> bool {
-    let total = num_computed
-        .saturating_add(args.num_new_computed_tokens)
-        .saturating_add(args.num_external_computed_tokens)
-        .saturating_add(args.num_new_tokens)
-        .min(num_tokens);
-    total / block_size > num_computed / block_size
-}
-
 /// A Python list (or tuple) of hashes read lazily: a hit search that stops at the first miss
 /// converts few. A bad entry reads as a miss and is reported after the search.
 struct PyHashes<'a, 'py> {
@@ -241,8 +225,6 @@ struct Inner {
     /// The pool's deadline flag ([`crate::pool::PoolState::deadline_flag`]).
     deadlines: Arc<AtomicBool>,
     num_groups: usize,
-    /// The smallest group block size (for [`may_fill_a_block`]).
-    min_block_size: usize,
     /// Whether admissions keep a watermark of free blocks (`watermark_blocks > 0`).
     watermark: bool,
     /// Whether `allocate_slots` reads `num_prompt_tokens` (R-SWA, the retention masks).
@@ -317,6 +299,18 @@ impl Inner {
 
     fn lock(&self, py: Python<'_>) -> PyResult<crate::sync::Held<'_, Coordinator>> {
         lock_cell(py, &self.core, "manager")
+    }
+
+    /// [`Coordinator::may_cache_a_block`], the manager and the pool held for the question only.
+    fn may_cache_a_block(
+        &self,
+        py: Python<'_>,
+        view: &RequestView<'_>,
+        args: &AllocateArgs<'_>,
+    ) -> PyResult<bool> {
+        let core = self.lock(py)?;
+        let pool = lock_cell(py, self.pool(py).get().cell(), "pool")?;
+        Ok(core.may_cache_a_block(pool.core(), view, args))
     }
 
     fn pool<'py>(&self, py: Python<'py>) -> &Bound<'py, PyBlockPool> {
@@ -586,12 +580,13 @@ impl Inner {
             }
         };
         // With events on, a duck-typed request's event fields are read now when this call
-        // may fill a block: the core asks for them while the tables are held.
+        // may cache a block (the core's answer, the tables held only for the question): the
+        // core asks for them while the tables are held, when no Python code may run.
         let source = if self.events
             && self.caching
             && !args.delay_cache_blocks
             && request_core.is_none()
-            && may_fill_a_block(num_computed, num_tokens, self.min_block_size, &args)
+            && self.may_cache_a_block(py, &view, &args)?
         {
             Inner::meta_source(&fields)?
         } else {
@@ -977,12 +972,6 @@ impl PyManagerCore {
                 scheduler_block_size,
             )?);
         }
-        let min_block_size = configs
-            .iter()
-            .map(|c| c.spec_block_size * dcp_world_size.max(1) * pcp_world_size.max(1))
-            .min()
-            .unwrap_or(1)
-            .max(1);
         let cfg = CoordinatorConfig {
             mode,
             groups: configs,
@@ -1020,7 +1009,6 @@ impl PyManagerCore {
             events,
             deadlines,
             num_groups,
-            min_block_size,
             watermark: watermark_blocks > 0,
             reads_prompt,
             noop_possible,
