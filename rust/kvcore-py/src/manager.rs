@@ -285,7 +285,7 @@ impl Inner {
     /// A request's fields for attribute reads ([`Fields::of`]).
     #[inline]
     fn fields<'a, 'py>(&self, request: &'a Bound<'py, PyAny>) -> Fields<'a, 'py> {
-        Fields::of(self.plain.as_ref(), request)
+        Fields::of(self.plain.as_ref(), request, self.reads_prompt)
     }
 
     /// The source of a duck-typed request's event fields, read now (before the tables are
@@ -486,23 +486,23 @@ impl Inner {
                     (known_computed, known_prompt) = (Some(computed), Some(prompt));
                     IdSource::Plain(entry)
                 } else if let Fields::Plain(p) = &fields {
-                    // The fields a decode call reads, at their dict entries, when they are
-                    // exact ints in range (else read below, which raises what is wrong).
-                    let mut id_slot = 0;
-                    let id = match p.decode_fields(self.reads_prompt) {
-                        Some((id, computed, prompt, slot)) => {
-                            (known_computed, known_prompt) = (Some(computed), Some(prompt));
-                            id_slot = slot;
-                            id.to_owned()
+                    // The fields a decode call reads, as read at their dict entries, when they
+                    // are exact ints in range (else read below, which raises what is wrong).
+                    let id = || fields.get(intern!(py, "request_id"));
+                    let (addr, id_slot) = match p.decoded {
+                        Some(d) => {
+                            (known_computed, known_prompt) =
+                                (Some(d.num_computed_tokens), Some(d.num_prompt_tokens));
+                            (d.id_addr, d.id_slot)
                         }
-                        None => fields.get(intern!(py, "request_id"))?,
+                        None => (id()?.as_ptr() as usize, 0),
                     };
-                    match self.plain_hints.entry(&id)? {
+                    match self.plain_hints.entry(py, addr, id)? {
                         Some(entry) => {
                             entry.id_slot.set(id_slot);
                             IdSource::Plain(entry)
                         }
-                        None => IdSource::Str(request_id_of(&id)?.clone()),
+                        None => IdSource::Str(request_id_of(&id()?)?.clone()),
                     }
                 } else {
                     IdSource::Str(fields.request_id()?)
@@ -656,7 +656,11 @@ impl Inner {
         // The request's fields, as the whole path reads them: a plain request's from its dict
         // and its entry in the hint map, a kvcore request's from its native base. Each kind in
         // a function of its own, so that a call runs the code of one.
-        if let Some(plain) = self.plain.as_ref().and_then(|p| p.read(request)) {
+        if let Some(plain) = self
+            .plain
+            .as_ref()
+            .and_then(|p| p.read(request, self.reads_prompt))
+        {
             return self.plain_noop(py, plain, args, next);
         }
         match self.cast.borrow(request) {
@@ -674,18 +678,21 @@ impl Inner {
         args: &AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
     ) -> Noop<'_, 'py> {
-        let Some((id, computed, prompt, id_slot)) = plain.decode_fields(self.reads_prompt) else {
+        let Some(d) = plain.decoded else {
             return Noop::Unknown;
         };
-        let Ok(Some(entry)) = self.plain_hints.entry(&id) else {
+        let Ok(Some(entry)) = self
+            .plain_hints
+            .entry(py, d.id_addr, || plain.get(intern!(py, "request_id")))
+        else {
             return Noop::Unknown;
         };
-        entry.id_slot.set(id_slot);
+        entry.id_slot.set(d.id_slot);
         let view = RequestView {
             id: &entry.key,
-            num_computed_tokens: computed,
+            num_computed_tokens: d.num_computed_tokens,
             num_tokens: plain.num_tokens(),
-            num_prompt_tokens: prompt,
+            num_prompt_tokens: d.num_prompt_tokens,
             waiting_or_preempted: false,
             hints: &entry.hints[..self.num_groups.min(entry.hints.len())],
         };
@@ -696,8 +703,8 @@ impl Inner {
         Noop::No(Some(PlainRead {
             plain,
             entry,
-            num_computed_tokens: computed,
-            num_prompt_tokens: prompt,
+            num_computed_tokens: d.num_computed_tokens,
+            num_prompt_tokens: d.num_prompt_tokens,
         }))
     }
 

@@ -53,6 +53,9 @@ pub(crate) struct PlainClass {
     /// Whether instance dicts are read by entry index ([`DictHints`]): CPython 3.11, whose
     /// dict layout that assumes, checked on probe dicts ([`dicts_are_311`]).
     hinted: bool,
+    /// Whether an instance's made dict is read where CPython 3.11 keeps a managed dict
+    /// ([`managed_dict`]): `hinted` and the class has one.
+    managed: bool,
 }
 
 /// Where a decode call's fields sit in a plain request's instance dict, read as CPython 3.11's
@@ -101,80 +104,130 @@ mod layout {
     pub(super) const KIND_SPLIT: u8 = 2;
 }
 
-/// The value of entry `ix` of a 3.11 dict whose keys are all str, when its key is `name`, and
-/// the address of the value's slot; `None` otherwise (the caller then looks the key up).
-///
-/// # Safety
-/// The GIL is held, `dict` is a live exact dict, and CPython's dict layout is 3.11's
-/// ([`PlainClass::new`] checks the version and a probe dict before it allows this).
-#[allow(unsafe_code)]
-#[inline]
-unsafe fn dict_entry(
-    dict: *mut pyo3::ffi::PyObject,
-    name: *mut pyo3::ffi::PyObject,
-    ix: u32,
-) -> Option<(*mut pyo3::ffi::PyObject, usize)> {
-    use layout::*;
-    // SAFETY (of every read): the caller guarantees 3.11's layout. `ma_keys` of a live dict
-    // is a live keys object; `ix` is checked against its `dk_nentries`, and a keys object of
-    // `dk_kind` 1 or 2 holds that many 16-byte (key, value) entries after its
-    // `1 << dk_log2_index_bytes` index bytes; a split dict's `ma_values` holds a value for
-    // each of its shared keys' entries. Nothing is written.
-    unsafe {
-        let d = dict.cast::<u8>();
-        let keys = *d.add(MA_KEYS).cast::<*const u8>();
-        let kind = *keys.add(DK_KIND);
-        let nentries = *keys.add(DK_NENTRIES).cast::<isize>();
-        if !(kind == KIND_UNICODE || kind == KIND_SPLIT) || (ix as isize) >= nentries {
+/// A 3.11 dict's entry table (its keys all str), read once for the fields of one call.
+#[derive(Clone, Copy)]
+struct Entries {
+    /// The (key, value) entries.
+    entries: *const [*mut pyo3::ffi::PyObject; 2],
+    /// `dk_nentries`.
+    len: usize,
+    /// A split dict's values (null for a combined dict, whose values are in its entries).
+    values: *const *mut pyo3::ffi::PyObject,
+}
+
+impl Entries {
+    /// `dict`'s entry table, when its keys object is of a kind whose keys are all str.
+    ///
+    /// # Safety
+    /// The GIL is held, `dict` is a live exact dict, and CPython's dict layout is 3.11's
+    /// ([`PlainClass::new`] checks the version and probe dicts before it allows this). The
+    /// table is valid while the dict lives and no Python code runs (only Python code changes
+    /// a dict this crate does not write).
+    #[allow(unsafe_code)]
+    #[inline]
+    unsafe fn of(dict: *mut pyo3::ffi::PyObject) -> Option<Self> {
+        use layout::*;
+        // SAFETY (of every read): the caller guarantees 3.11's layout. `ma_keys` of a live
+        // dict is a live keys object; a keys object of `dk_kind` 1 or 2 holds `dk_nentries`
+        // 16-byte (key, value) entries after its `1 << dk_log2_index_bytes` index bytes, and
+        // a split dict's `ma_values` a value for each of its shared keys' entries.
+        unsafe {
+            let d = dict.cast::<u8>();
+            let keys = *d.add(MA_KEYS).cast::<*const u8>();
+            let values = match *keys.add(DK_KIND) {
+                KIND_UNICODE => std::ptr::null(),
+                KIND_SPLIT => {
+                    let values = *d.add(MA_VALUES).cast::<*const *mut pyo3::ffi::PyObject>();
+                    if values.is_null() {
+                        return None;
+                    }
+                    values
+                }
+                _ => return None,
+            };
+            let len = usize::try_from(*keys.add(DK_NENTRIES).cast::<isize>()).ok()?;
+            let entries = keys
+                .add(DK_INDICES + 1usize.checked_shl(u32::from(*keys.add(DK_LOG2_INDEX_BYTES)))?)
+                .cast::<[*mut pyo3::ffi::PyObject; 2]>();
+            Some(Self {
+                entries,
+                len,
+                values,
+            })
+        }
+    }
+
+    /// The value of entry `ix` when its key is `name`, and the address of the value's slot;
+    /// `None` otherwise (the caller then looks the key up).
+    ///
+    /// # Safety
+    /// As [`Entries::of`]: the dict `self` was read from lives and no Python code ran since.
+    #[allow(unsafe_code)]
+    #[inline]
+    unsafe fn get(
+        &self,
+        name: *mut pyo3::ffi::PyObject,
+        ix: u32,
+    ) -> Option<(*mut pyo3::ffi::PyObject, usize)> {
+        let ix = ix as usize;
+        if ix >= self.len {
             return None;
         }
-        let entries = keys
-            .add(DK_INDICES + 1usize.checked_shl(u32::from(*keys.add(DK_LOG2_INDEX_BYTES)))?)
-            .cast::<[*mut pyo3::ffi::PyObject; 2]>();
-        let entry = entries.add(ix as usize);
-        if (*entry)[0] != name {
-            return None;
-        }
-        let slot: *const *mut pyo3::ffi::PyObject = if kind == KIND_SPLIT {
-            let values = *d.add(MA_VALUES).cast::<*const *mut pyo3::ffi::PyObject>();
-            if values.is_null() {
+        // SAFETY: `ix` is below `dk_nentries`, so entry `ix` (and a split dict's value `ix`)
+        // is within the table `of` read. Nothing is written.
+        unsafe {
+            let entry = self.entries.add(ix);
+            if (*entry)[0] != name {
                 return None;
             }
-            values.add(ix as usize)
-        } else {
-            std::ptr::addr_of!((*entry)[1])
-        };
-        let value = *slot;
-        (!value.is_null()).then_some((value, slot as usize))
+            let slot: *const *mut pyo3::ffi::PyObject = if self.values.is_null() {
+                std::ptr::addr_of!((*entry)[1])
+            } else {
+                self.values.add(ix)
+            };
+            let value = *slot;
+            (!value.is_null()).then_some((value, slot as usize))
+        }
+    }
+
+    /// The index of `name`'s entry, if the dict has one.
+    ///
+    /// # Safety
+    /// As [`Entries::get`].
+    #[allow(unsafe_code)]
+    #[cold]
+    #[inline(never)]
+    unsafe fn find(&self, name: *mut pyo3::ffi::PyObject) -> Option<u32> {
+        // SAFETY: every index read is below `dk_nentries`.
+        unsafe {
+            (0..self.len)
+                .find(|&i| (*self.entries.add(i))[0] == name)
+                .and_then(|i| u32::try_from(i).ok())
+        }
     }
 }
 
-/// The index of `name`'s entry in a 3.11 dict whose keys are all str, if it has one.
+/// Where CPython 3.11 keeps the instance dict of a class with `Py_TPFLAGS_MANAGED_DICT`: the
+/// third pointer-sized word before the object (`_PyObject_ManagedDictPointer`), null until
+/// the dict is made.
+const MANAGED_DICT_WORD: usize = 3;
+
+/// `Py_TPFLAGS_MANAGED_DICT`.
+const TPFLAGS_MANAGED_DICT: std::ffi::c_ulong = 1 << 4;
+
+/// The instance dict of `obj` when it has been made: the managed dict pointer, borrowed.
 ///
 /// # Safety
-/// As [`dict_entry`].
+/// The GIL is held, `obj` is live, its type has `Py_TPFLAGS_MANAGED_DICT`, and the object
+/// layout is CPython 3.11's ([`probe_dicts`] checked it on a probe instance).
 #[allow(unsafe_code)]
-#[cold]
-#[inline(never)]
-unsafe fn find_entry(
-    dict: *mut pyo3::ffi::PyObject,
-    name: *mut pyo3::ffi::PyObject,
-) -> Option<u32> {
-    use layout::*;
-    // SAFETY: as in `dict_entry`; every index read is below `dk_nentries`.
+#[inline]
+unsafe fn managed_dict(obj: *mut pyo3::ffi::PyObject) -> *mut pyo3::ffi::PyObject {
+    // SAFETY: an object of a type with a managed dict is allocated with two pointer-sized
+    // words before its GC header (3.11's `_PyType_PreHeaderSize`), the dict and its values.
     unsafe {
-        let keys = *dict.cast::<u8>().add(MA_KEYS).cast::<*const u8>();
-        let kind = *keys.add(DK_KIND);
-        if !(kind == KIND_UNICODE || kind == KIND_SPLIT) {
-            return None;
-        }
-        let n = usize::try_from(*keys.add(DK_NENTRIES).cast::<isize>()).ok()?;
-        let entries = keys
-            .add(DK_INDICES + 1usize.checked_shl(u32::from(*keys.add(DK_LOG2_INDEX_BYTES)))?)
-            .cast::<[*mut pyo3::ffi::PyObject; 2]>();
-        (0..n)
-            .find(|&i| (*entries.add(i))[0] == name)
-            .and_then(|i| u32::try_from(i).ok())
+        *obj.cast::<*mut pyo3::ffi::PyObject>()
+            .wrapping_sub(MANAGED_DICT_WORD)
     }
 }
 
@@ -194,7 +247,7 @@ fn probe_dicts(py: Python<'_>) -> PyResult<bool> {
     }
     let locals = PyDict::new(py);
     py.run(
-        c"class P:\n    def __init__(self):\n        self.a, self.b = 1, 2\nsplit = P().__dict__\ncombined = {'x': 3, 'y': 4, 'b': 5}\n",
+        c"class P:\n    def __init__(self):\n        self.a, self.b = 1, 2\nprobe = P()\nsplit = probe.__dict__\ncombined = {'x': 3, 'y': 4, 'b': 5}\n",
         None,
         Some(&locals),
     )?;
@@ -208,16 +261,35 @@ fn probe_dicts(py: Python<'_>) -> PyResult<bool> {
             return Ok(false);
         };
         #[allow(unsafe_code)]
-        // SAFETY: the version is 3.11; `dict` is a live exact dict.
+        // SAFETY: the version is 3.11; `dict` is a live exact dict, and no Python code runs
+        // between the reads.
         let found = unsafe {
-            find_entry(dict.as_ptr(), b.as_ptr())
-                .and_then(|ix| dict_entry(dict.as_ptr(), b.as_ptr(), ix))
+            Entries::of(dict.as_ptr())
+                .and_then(|e| e.find(b.as_ptr()).and_then(|ix| e.get(b.as_ptr(), ix)))
         };
         if found.map(|(v, _)| v) != Some(expected.as_ptr()) {
             return Ok(false);
         }
     }
-    Ok(true)
+    // The probe instance's dict, made by reading `__dict__`, where `managed_dict` reads it.
+    let (Some(probe), Some(split)) = (locals.get_item("probe")?, locals.get_item("split")?) else {
+        return Ok(false);
+    };
+    if !has_managed_dict(&probe.get_type()) {
+        return Ok(false);
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: the version is 3.11 and the probe's type has a managed dict.
+    let dict = unsafe { managed_dict(probe.as_ptr()) };
+    Ok(dict == split.as_ptr())
+}
+
+/// Whether instances of `cls` keep their dict where [`managed_dict`] reads it.
+fn has_managed_dict(cls: &Bound<'_, PyType>) -> bool {
+    #[allow(unsafe_code)]
+    // SAFETY: `cls` is a live type object; `PyType_GetFlags` only reads its flags.
+    let flags = unsafe { pyo3::ffi::PyType_GetFlags(cls.as_type_ptr()) };
+    flags & TPFLAGS_MANAGED_DICT != 0
 }
 
 impl PlainClass {
@@ -254,79 +326,159 @@ impl PlainClass {
                 }
             }
         }
+        let hinted = dicts_are_311(py);
         Ok(Self {
             cls: cls.clone().unbind(),
             tokens: tokens.clone().unbind(),
-            hinted: dicts_are_311(py),
+            hinted,
+            managed: hinted && has_managed_dict(cls),
         })
     }
 
     /// `request`'s fields: from its dict when its class is exactly this one and the instance
-    /// fits, else `None`.
+    /// fits, else `None`. With them, what a decode call reads ([`Decoded`]; the prompt length
+    /// only when `prompt`), read at the dict's entries in one pass.
     #[inline]
-    pub(crate) fn read<'py>(&self, request: &Bound<'py, PyAny>) -> Option<PlainRequest<'py>> {
+    pub(crate) fn read<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        prompt: bool,
+    ) -> Option<PlainRequest<'py>> {
         if !std::ptr::eq(request.get_type_ptr(), self.cls.as_ptr().cast()) {
             return None;
         }
         let py = request.py();
         #[allow(unsafe_code)]
-        // SAFETY: `request` is a live object and the GIL is held (`py`). The class has a
-        // `__dict__` slot (checked at registration), so `PyObject_GenericGetDict` returns a new
-        // reference to the instance dict (creating it when needed), or NULL with an exception
-        // set, which `from_owned_ptr_or_err` turns into an error.
+        // SAFETY: `request` is a live object and the GIL is held (`py`). Where the class has a
+        // managed dict on 3.11 (`managed`, checked on a probe), the made dict is read where
+        // CPython keeps it, and counted. Otherwise (or before it is made) the class has a
+        // `__dict__` slot (checked at registration), so `PyObject_GenericGetDict` returns a
+        // new reference to the instance dict (making it when needed), or NULL with an
+        // exception set, which `from_owned_ptr_or_err` turns into an error.
         let dict = unsafe {
-            Bound::from_owned_ptr_or_err(
-                py,
-                pyo3::ffi::PyObject_GenericGetDict(request.as_ptr(), std::ptr::null_mut()),
-            )
+            let made = if self.managed {
+                managed_dict(request.as_ptr())
+            } else {
+                std::ptr::null_mut()
+            };
+            if made.is_null() {
+                Bound::from_owned_ptr_or_err(
+                    py,
+                    pyo3::ffi::PyObject_GenericGetDict(request.as_ptr(), std::ptr::null_mut()),
+                )
+            } else {
+                Ok(Bound::from_borrowed_ptr(py, made))
+            }
         };
         let dict = dict.ok()?.downcast_into_exact::<PyDict>().ok()?;
-        let tokens = dict_get(&dict, self.tokens.bind(py), &DICT_HINTS.tokens, self.hinted)?
-            .0
-            .to_owned()
-            .downcast_into_exact::<PyList>()
-            .ok()?;
+        #[allow(unsafe_code)]
+        // SAFETY: the GIL is held, `dict` is a live exact dict, and the layout is 3.11's
+        // (`hinted`). The table is used only below, where no Python code runs.
+        let entries = if self.hinted {
+            unsafe { Entries::of(dict.as_ptr()) }
+        } else {
+            None
+        };
+        let tokens = dict_get(
+            &dict,
+            entries.as_ref(),
+            self.tokens.bind(py),
+            &DICT_HINTS.tokens,
+        )?
+        .0
+        .to_owned()
+        .downcast_into_exact::<PyList>()
+        .ok()?;
+        let decoded = decode(&dict, entries.as_ref(), prompt);
         Some(PlainRequest {
             request: request.clone(),
             dict,
             tokens,
-            hinted: self.hinted,
+            decoded,
         })
     }
 }
 
-/// A plain request's instance dict and token list.
+/// What a decode call reads from a plain request, besides its token count (SPEC MGR-6's
+/// counts; the prompt length 0 unless asked for), when the counts are exact ints in range
+/// (`count_of`'s rule for them).
+#[derive(Clone, Copy)]
+pub(crate) struct Decoded {
+    /// The address of the `request_id` value when read: only compared, never read through
+    /// (an object found by it is kept alive by whoever noted the address; see
+    /// [`PlainHints::entry`]).
+    pub(crate) id_addr: usize,
+    pub(crate) num_computed_tokens: usize,
+    pub(crate) num_prompt_tokens: usize,
+    /// The address of the dict slot holding the id (0: read by hash lookup): a prefetch hint.
+    pub(crate) id_slot: usize,
+}
+
+/// [`PlainClass::read`]'s decode fields; `None` when one is missing or of another type (the
+/// caller then reads the request the general way, which raises the error).
+#[inline]
+fn decode(dict: &Bound<'_, PyDict>, entries: Option<&Entries>, prompt: bool) -> Option<Decoded> {
+    let py = dict.py();
+    let count = |name: &Bound<'_, PyString>, hint: &AtomicU32| -> Option<usize> {
+        let (value, _) = dict_get(dict, entries, name, hint)?;
+        exact_int(&value)?.count_capped(COUNT_CAP)
+    };
+    let num_computed_tokens = count(
+        intern!(py, "num_computed_tokens"),
+        &DICT_HINTS.num_computed_tokens,
+    )?;
+    let num_prompt_tokens = if prompt {
+        count(
+            intern!(py, "num_prompt_tokens"),
+            &DICT_HINTS.num_prompt_tokens,
+        )?
+    } else {
+        0
+    };
+    let (id, id_slot) = dict_get(
+        dict,
+        entries,
+        intern!(py, "request_id"),
+        &DICT_HINTS.request_id,
+    )?;
+    Some(Decoded {
+        id_addr: id.as_ptr() as usize,
+        num_computed_tokens,
+        num_prompt_tokens,
+        id_slot,
+    })
+}
+
+/// A plain request's instance dict and token list, and its decode fields as read with them.
 pub(crate) struct PlainRequest<'py> {
     request: Bound<'py, PyAny>,
     dict: Bound<'py, PyDict>,
     tokens: Bound<'py, PyList>,
-    /// Whether the dict is read by entry index ([`DictHints`]).
-    hinted: bool,
+    pub(crate) decoded: Option<Decoded>,
 }
 
 /// `dict[name]`, borrowed (no reference counted: valid until Python code runs, which could
 /// replace it), and the address of its value's slot when read by entry index (0 otherwise):
-/// by the entry `hint` names when `hinted` and it is `name`'s, else by hash lookup (which
-/// refreshes `hint`). `None` when the dict has no such key.
+/// by the entry `hint` names when the dict's `entries` were read and it is `name`'s, else by
+/// hash lookup (which then refreshes `hint`). `None` when the dict has no such key.
 #[inline]
 fn dict_get<'a, 'py>(
     dict: &'a Bound<'py, PyDict>,
+    entries: Option<&Entries>,
     name: &Bound<'py, PyString>,
     hint: &AtomicU32,
-    hinted: bool,
 ) -> Option<(Borrowed<'a, 'py, PyAny>, usize)> {
     let py = dict.py();
     #[allow(unsafe_code)]
-    // SAFETY: the GIL is held (`py`); `dict` is a live exact dict and `name` an exact str; the
-    // entry reads run only where `dicts_are_311` holds (`hinted`). Both reads return a
-    // reference borrowed from the dict, which lives as long as `'a`, or nothing. A failed
-    // lookup (a key of another type whose `__eq__` raised) has its error taken off the
+    // SAFETY: the GIL is held (`py`); `dict` is a live exact dict and `name` an exact str;
+    // `entries` is that dict's table, read with no Python code run since: a lookup in a dict
+    // of str keys (the only kind with a table) compares strs and runs none either. Both reads
+    // return a reference borrowed from the dict, which lives as long as `'a`, or nothing. A
+    // failed lookup (a key of another type whose `__eq__` raised) has its error taken off the
     // thread, so that the caller's general path reports its own.
     unsafe {
-        if hinted {
-            if let Some((value, slot)) =
-                dict_entry(dict.as_ptr(), name.as_ptr(), hint.load(Ordering::Relaxed))
-            {
+        if let Some(e) = entries {
+            if let Some((value, slot)) = e.get(name.as_ptr(), hint.load(Ordering::Relaxed)) {
                 return Some((Borrowed::from_ptr(py, value), slot));
             }
         }
@@ -337,60 +489,30 @@ fn dict_get<'a, 'py>(
             }
             return None;
         }
-        if hinted {
-            if let Some(ix) = find_entry(dict.as_ptr(), name.as_ptr()) {
-                hint.store(ix, Ordering::Relaxed);
-            }
+        if let Some(ix) = entries.and_then(|e| e.find(name.as_ptr())) {
+            hint.store(ix, Ordering::Relaxed);
         }
         Some((Borrowed::from_ptr(py, item), 0))
     }
 }
 
 impl<'py> PlainRequest<'py> {
-    /// What a decode call reads: `(request_id, num_computed_tokens, num_prompt_tokens)` (the
-    /// last 0 unless `prompt`), when the counts are exact ints in range (`count_of`'s rule
-    /// for them); `None` when a field is missing or of another type (the caller then reads
-    /// the request the general way, which raises the error).
-    ///
-    /// The id is borrowed from the dict, not counted: the caller uses it only while no Python
-    /// code can run (finding the request's hint entry, which keeps its own reference), so
-    /// nothing can replace it in the dict meanwhile.
-    #[inline]
-    pub(crate) fn decode_fields(
-        &self,
-        prompt: bool,
-    ) -> Option<(Borrowed<'_, 'py, PyAny>, usize, usize, usize)> {
-        let py = self.dict.py();
-        let count = |name: &Bound<'py, PyString>, hint: &AtomicU32| -> Option<usize> {
-            let (value, _) = dict_get(&self.dict, name, hint, self.hinted)?;
-            exact_int(&value)?.count_capped(COUNT_CAP)
-        };
-        let computed = count(
-            intern!(py, "num_computed_tokens"),
-            &DICT_HINTS.num_computed_tokens,
-        )?;
-        let prompt = if prompt {
-            count(
-                intern!(py, "num_prompt_tokens"),
-                &DICT_HINTS.num_prompt_tokens,
-            )?
-        } else {
-            0
-        };
-        // Read last, so that no lookup runs between this one and the caller's use of the id.
-        let (id, id_slot) = dict_get(
-            &self.dict,
-            intern!(py, "request_id"),
-            &DICT_HINTS.request_id,
-            self.hinted,
-        )?;
-        Some((id, computed, prompt, id_slot))
-    }
-
     /// `num_tokens`: the token list's length.
     #[inline]
     pub(crate) fn num_tokens(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// The attribute `name`, from the dict: `AttributeError` when the request has none.
+    pub(crate) fn get(&self, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
+        self.dict.get_item(name)?.ok_or_else(|| {
+            let cls = self
+                .request
+                .get_type()
+                .name()
+                .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+            PyAttributeError::new_err(format!("'{cls}' object has no attribute '{name}'"))
+        })
     }
 }
 
@@ -403,8 +525,12 @@ pub(crate) enum Fields<'a, 'py> {
 impl<'a, 'py> Fields<'a, 'py> {
     /// `request`'s fields, from its dict when its class is `plain`.
     #[inline]
-    pub(crate) fn of(plain: Option<&PlainClass>, request: &'a Bound<'py, PyAny>) -> Self {
-        match plain.and_then(|p| p.read(request)) {
+    pub(crate) fn of(
+        plain: Option<&PlainClass>,
+        request: &'a Bound<'py, PyAny>,
+        prompt: bool,
+    ) -> Self {
+        match plain.and_then(|p| p.read(request, prompt)) {
             Some(r) => Fields::Plain(r),
             None => Fields::Attrs(request),
         }
@@ -414,14 +540,7 @@ impl<'a, 'py> Fields<'a, 'py> {
     pub(crate) fn get(&self, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
         match self {
             Fields::Attrs(r) => r.getattr(name),
-            Fields::Plain(p) => p.dict.get_item(name)?.ok_or_else(|| {
-                let cls = p
-                    .request
-                    .get_type()
-                    .name()
-                    .map_or_else(|_| "?".to_owned(), |n| n.to_string());
-                PyAttributeError::new_err(format!("'{cls}' object has no attribute '{name}'"))
-            }),
+            Fields::Plain(p) => p.get(name),
         }
     }
 
@@ -656,22 +775,23 @@ impl PlainHints {
         }
     }
 
-    /// The entry of the request whose `request_id` is `id`, made on first use and held in
-    /// place until dropped; `None` while the map is held by another call.
+    /// The entry of the request whose `request_id` is the str at address `addr`, made on
+    /// first use (from `id()`, which reads that str again) and held in place until dropped;
+    /// `None` while the map is held by another call, or when `id()` finds another object.
     ///
-    /// An entry found by `id`'s address is `id`'s (the entry holds its str alive, so no other
-    /// object has that address): the object is not read. A new entry is made only for a str
-    /// (`ArgumentTypeError` otherwise, as any `request_id` read).
+    /// An entry found by address is that str's (the entry holds its str alive, so no other
+    /// object has that address): nothing is read through `addr`. A new entry is made only for
+    /// a str (`ArgumentTypeError` otherwise, as any `request_id` read).
     ///
     /// When the map has reached its sweep size, entries whose id str only the map still holds
     /// (their request is gone) are dropped first, and the next sweep size is twice what is
     /// left (at least [`SWEEP_MIN`]): the sweeps cost O(1) per entry made.
-    pub(crate) fn entry<'a>(
+    pub(crate) fn entry<'a, 'py>(
         &'a self,
-        id: &Bound<'_, PyAny>,
+        py: Python<'py>,
+        addr: usize,
+        id: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
     ) -> PyResult<Option<Held<'a, PlainEntry>>> {
-        let py = id.py();
-        let addr = id.as_ptr() as usize;
         let Some(mut state) = try_lock_cell(py, &self.state) else {
             return Ok(None);
         };
@@ -680,7 +800,11 @@ impl PlainHints {
                 .filter_map(|s| s.slab.get_mut(i as usize).and_then(Option::as_mut))
                 .ok());
         }
-        let id = request_id_of(id)?;
+        let id = id()?;
+        if id.as_ptr() as usize != addr {
+            return Ok(None);
+        }
+        let id = request_id_of(&id)?;
         let key = crate::args::id_key(id)?.into_owned();
         if state.index.len() >= state.sweep_at {
             let PlainMap {
