@@ -489,17 +489,17 @@ impl Inner {
                     // The fields a decode call reads, as read at their dict entries, when they
                     // are exact ints in range (else read below, which raises what is wrong).
                     let id = || fields.get(intern!(py, "request_id"));
-                    let (addr, id_slot) = match p.decoded {
+                    let (addr, lines) = match p.decoded {
                         Some(d) => {
                             (known_computed, known_prompt) =
                                 (Some(d.num_computed_tokens), Some(d.num_prompt_tokens));
-                            (d.id_addr, d.id_slot)
+                            (d.id_addr, d.lines)
                         }
-                        None => (id()?.as_ptr() as usize, 0),
+                        None => (id()?.as_ptr() as usize, [0; crate::plain::LINES]),
                     };
                     match self.plain_hints.entry(py, addr, id)? {
                         Some(entry) => {
-                            entry.id_slot.set(id_slot);
+                            entry.lines.set(lines);
                             IdSource::Plain(entry)
                         }
                         None => IdSource::Str(request_id_of(&id()?)?.clone()),
@@ -687,7 +687,7 @@ impl Inner {
         else {
             return Noop::Unknown;
         };
-        entry.id_slot.set(d.id_slot);
+        entry.lines.set(d.lines);
         let view = RequestView {
             id: &entry.key,
             num_computed_tokens: d.num_computed_tokens,

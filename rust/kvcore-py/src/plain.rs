@@ -113,6 +113,8 @@ struct Entries {
     len: usize,
     /// A split dict's values (null for a combined dict, whose values are in its entries).
     values: *const *mut pyo3::ffi::PyObject,
+    /// The keys object (its address is a prefetch hint only).
+    keys: usize,
 }
 
 impl Entries {
@@ -153,6 +155,7 @@ impl Entries {
                 entries,
                 len,
                 values,
+                keys: keys as usize,
             })
         }
     }
@@ -379,17 +382,25 @@ impl PlainClass {
         } else {
             None
         };
-        let tokens = dict_get(
+        let (tokens, tokens_slot) = dict_get(
             &dict,
             entries.as_ref(),
             self.tokens.bind(py),
             &DICT_HINTS.tokens,
-        )?
-        .0
-        .to_owned()
-        .downcast_into_exact::<PyList>()
-        .ok()?;
-        let decoded = decode(&dict, entries.as_ref(), prompt);
+        )?;
+        let tokens = tokens.to_owned().downcast_into_exact::<PyList>().ok()?;
+        let decoded = decode(&dict, entries.as_ref(), prompt).map(|mut d| {
+            d.lines = [
+                (request.as_ptr() as usize).wrapping_sub(MANAGED_DICT_WORD * 8),
+                dict.as_ptr() as usize,
+                entries.map_or(0, |e| e.keys),
+                tokens_slot,
+                tokens.as_ptr() as usize,
+                d.lines[0],
+                d.lines[1],
+            ];
+            d
+        });
         Some(PlainRequest {
             request: request.clone(),
             dict,
@@ -410,20 +421,29 @@ pub(crate) struct Decoded {
     pub(crate) id_addr: usize,
     pub(crate) num_computed_tokens: usize,
     pub(crate) num_prompt_tokens: usize,
-    /// The address of the dict slot holding the id (0: read by hash lookup): a prefetch hint.
-    pub(crate) id_slot: usize,
+    /// Where this call read the request's fields (see [`Lines`]).
+    pub(crate) lines: Lines,
 }
+
+/// How many addresses [`Lines`] holds.
+pub(crate) const LINES: usize = 7;
+
+/// The addresses a decode call of a plain request read (0: not known), noted with its hint
+/// entry so that the call before the next one prefetches them: the object (from its managed
+/// dict word), its dict, the dict's keys, the dict slots of its token list, `num_computed_tokens`
+/// and `request_id`, and the token list. Only ever prefetched: a stale one costs a useless fetch.
+pub(crate) type Lines = [usize; LINES];
 
 /// [`PlainClass::read`]'s decode fields; `None` when one is missing or of another type (the
 /// caller then reads the request the general way, which raises the error).
 #[inline]
 fn decode(dict: &Bound<'_, PyDict>, entries: Option<&Entries>, prompt: bool) -> Option<Decoded> {
     let py = dict.py();
-    let count = |name: &Bound<'_, PyString>, hint: &AtomicU32| -> Option<usize> {
-        let (value, _) = dict_get(dict, entries, name, hint)?;
-        exact_int(&value)?.count_capped(COUNT_CAP)
+    let count = |name: &Bound<'_, PyString>, hint: &AtomicU32| -> Option<(usize, usize)> {
+        let (value, slot) = dict_get(dict, entries, name, hint)?;
+        Some((exact_int(&value)?.count_capped(COUNT_CAP)?, slot))
     };
-    let num_computed_tokens = count(
+    let (num_computed_tokens, computed_slot) = count(
         intern!(py, "num_computed_tokens"),
         &DICT_HINTS.num_computed_tokens,
     )?;
@@ -432,6 +452,7 @@ fn decode(dict: &Bound<'_, PyDict>, entries: Option<&Entries>, prompt: bool) -> 
             intern!(py, "num_prompt_tokens"),
             &DICT_HINTS.num_prompt_tokens,
         )?
+        .0
     } else {
         0
     };
@@ -441,11 +462,13 @@ fn decode(dict: &Bound<'_, PyDict>, entries: Option<&Entries>, prompt: bool) -> 
         intern!(py, "request_id"),
         &DICT_HINTS.request_id,
     )?;
+    let mut lines = [0; LINES];
+    lines[..2].copy_from_slice(&[computed_slot, id_slot]);
     Some(Decoded {
         id_addr: id.as_ptr() as usize,
         num_computed_tokens,
         num_prompt_tokens,
-        id_slot,
+        lines,
     })
 }
 
@@ -666,9 +689,10 @@ impl<'a, 'py> Fields<'a, 'py> {
 ///
 /// The entries live in a slab, indexed by id address. A scheduler calls its running requests
 /// in the same order every step, so each entry also notes which entry was found after it last
-/// time, and where that entry, its table slots (of the first two groups) and its request's
-/// `request_id` dict entry ([`DictHints`]; the one field the scheduler itself does not read
-/// before the call) are: the call after it checks that entry first (one comparison of
+/// time, and where that entry, its table slots (of the first two groups) and what its
+/// request's call read ([`Lines`]: the object, its dict, keys and the fields' entries, which
+/// with thousands of requests are no longer in the caches by the next step) are: the call
+/// after it checks that entry first (one comparison of
 /// addresses instead of a hash lookup, whose probe lands on a line of the index that the
 /// scheduler's own work between calls has pushed out of the caches), and all of them are
 /// prefetched when the entry before is found, so that they arrive while the scheduler's own
@@ -711,11 +735,11 @@ pub(crate) struct PlainEntry {
     /// The entry found after this one last time: its slab index and the address of its
     /// first-group table slot. Prefetched when this entry is found, and checked first by the
     /// next call. Hints for the cache and the lookup only.
-    next: std::cell::Cell<(u32, [usize; 2], usize)>,
+    next: std::cell::Cell<(u32, [usize; 2], Lines)>,
     /// Where this entry's request's table slots of the first two groups were on its last call.
     pub(crate) slot_addr: std::cell::Cell<[usize; 2]>,
-    /// Where its request's dict kept the `request_id` value on its last call (0: not known).
-    pub(crate) id_slot: std::cell::Cell<usize>,
+    /// Where its request's fields were on its last call.
+    pub(crate) lines: std::cell::Cell<Lines>,
     /// The id's table key (`crate::args::id_key`).
     pub(crate) key: String,
     /// One hint cell per group, the first [`INLINE_HINTS`] groups.
@@ -745,17 +769,19 @@ impl PlainMap {
         };
         self.prev = i;
         let entry = self.at(i)?;
-        let (next, next_slot, next_id) = entry.next.get();
+        let (next, next_slot, next_lines) = entry.next.get();
         // (A second lookup of the entry found last notes nothing: an entry is not its own
         // successor.)
         if let Some(p) = self.at(prev).filter(|_| prev != i) {
-            p.next.set((i, entry.slot_addr.get(), entry.id_slot.get()));
+            p.next.set((i, entry.slot_addr.get(), entry.lines.get()));
         }
         if next != NO_ENTRY {
             kvcore_core::prefetch::prefetch(self.slab.as_ptr().wrapping_add(next as usize));
             kvcore_core::prefetch::prefetch(next_slot[0] as *const u8);
             kvcore_core::prefetch::prefetch(next_slot[1] as *const u8);
-            kvcore_core::prefetch::prefetch(next_id as *const u8);
+            for line in next_lines {
+                kvcore_core::prefetch::prefetch(line as *const u8);
+            }
         }
         Some(i)
     }
@@ -824,9 +850,9 @@ impl PlainHints {
         }
         let entry = PlainEntry {
             id_addr: addr,
-            next: std::cell::Cell::new((NO_ENTRY, [0; 2], 0)),
+            next: std::cell::Cell::new((NO_ENTRY, [0; 2], [0; LINES])),
             slot_addr: std::cell::Cell::new([0; 2]),
-            id_slot: std::cell::Cell::new(0),
+            lines: std::cell::Cell::new([0; LINES]),
             key,
             hints: Default::default(),
             id: id.clone().unbind(),
