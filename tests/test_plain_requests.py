@@ -572,6 +572,24 @@ def test_a_call_made_while_the_hint_map_is_held_reads_the_id() -> None:
 
 
 @pytest.mark.parametrize("cls", [PlainRequest, DuckRequest])
+def test_token_ints_of_every_width_read_as_their_value(cls: type[PlainRequest]) -> None:
+    """Token ids of one, two and three 30-bit digits, either sign, up to int64's ends (the
+    native reader takes small ints from their digits, bigger ones through CPython): the
+    events carry exactly the list's values."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    mgr = events_manager(False)
+    widths = [0, 1, -1, 2**30 - 1, 2**30, -(2**30), 2**31 + 5, 2**60 - 1, -(2**60) + 1]
+    widths += [2**60, -(2**61), 2**62 + 3, 2**63 - 1, -(2**63), 123_456_789_012]
+    tokens = widths + [7] * (-len(widths) % BLOCK)
+    req = cls("w", tokens, hasher)
+    assert mgr.allocate_slots(req, len(tokens)) is not None
+    events = mgr.take_events()
+    assert [t for e in events for t in e.token_ids] == tokens
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("cls", [PlainRequest, DuckRequest])
 def test_an_event_has_the_tokens_the_fill_saw(cls: type[PlainRequest]) -> None:
     """A plain request's `BlockStored` carries a slice of its token list taken when the block
     filled (the reference's slice): a later change of the list is not in it. A token that is

@@ -9,6 +9,7 @@
 //! `max_model_len`).
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::exceptions::PyOverflowError;
 use pyo3::intern;
@@ -53,6 +54,20 @@ pub fn exact_int(obj: &Bound<'_, PyAny>) -> Option<Int> {
     if !obj.is_exact_instance_of::<PyInt>() {
         return None;
     }
+    if INTS_ARE_311.load(Ordering::Relaxed) {
+        #[allow(unsafe_code)]
+        // SAFETY: `obj` is a live exact int, and `INTS_ARE_311` is set only where ints have
+        // CPython 3.11's layout ([`probe_ints`]).
+        if let Some(v) = unsafe { small_int_311(obj.as_ptr()) } {
+            return Some(Int::V(v));
+        }
+    }
+    exact_int_slow(obj)
+}
+
+/// [`exact_int`] through CPython's API.
+#[inline(never)]
+fn exact_int_slow(obj: &Bound<'_, PyAny>) -> Option<Int> {
     let mut overflow: std::os::raw::c_int = 0;
     #[allow(unsafe_code)]
     // SAFETY: `obj` is a live exact int and the GIL is held. For an int object the call only
@@ -65,6 +80,86 @@ pub fn exact_int(obj: &Bound<'_, PyAny>) -> Option<Int> {
         o if o > 0 => Int::Above,
         _ => Int::Below,
     })
+}
+
+/// Whether exact ints are read by [`small_int_311`]: set at module import by [`probe_ints`].
+static INTS_ARE_311: AtomicBool = AtomicBool::new(false);
+
+/// CPython 3.11's int layout (`Include/cpython/longintrepr.h`): `ob_size` (the signed digit
+/// count) after the object header, then 30-bit digits in `u32`s.
+mod long_layout {
+    pub(super) const OB_SIZE: usize = 16;
+    pub(super) const OB_DIGIT: usize = 24;
+    pub(super) const SHIFT: u32 = 30;
+}
+
+/// The value of an int of at most two digits, read from its fields (CPython's own
+/// `PyLong_AsLongLongAndOverflow` is a call through the C API, for a decode call's three or
+/// four small ints a tenth of its instructions); `None` for a bigger one.
+///
+/// # Safety
+/// `obj` is a live exact int, the GIL is held, and ints have 3.11's layout ([`probe_ints`]).
+#[allow(unsafe_code)]
+#[inline(always)]
+unsafe fn small_int_311(obj: *mut pyo3::ffi::PyObject) -> Option<i64> {
+    use long_layout::*;
+    // SAFETY: an int's `ob_size` is its signed digit count, and it has that many digits
+    // (one, 0, when its size is 0): each digit read is within the object.
+    unsafe {
+        let p = obj.cast::<u8>();
+        let size = *p.add(OB_SIZE).cast::<isize>();
+        let digit = |i: usize| i64::from(*p.add(OB_DIGIT).cast::<u32>().add(i));
+        match size {
+            0 => Some(0),
+            1 => Some(digit(0)),
+            -1 => Some(-digit(0)),
+            2 => Some(digit(0) | digit(1) << SHIFT),
+            -2 => Some(-(digit(0) | digit(1) << SHIFT)),
+            _ => None,
+        }
+    }
+}
+
+/// Checks that this interpreter's ints have CPython 3.11's layout (the version, and
+/// [`small_int_311`] reading probe values of every size it reads as CPython does), and turns
+/// the direct read on when they do.
+pub(crate) fn probe_ints(py: Python<'_>) -> PyResult<()> {
+    let version = py.version_info();
+    if (version.major, version.minor) != (3, 11) {
+        return Ok(());
+    }
+    let one = 1i64;
+    let values = [
+        0,
+        one,
+        -one,
+        7,
+        (one << 30) - 1,
+        one << 30,
+        -(one << 30),
+        (one << 31) + 12345,
+        (one << 60) - 1,
+        -((one << 60) - 1),
+    ];
+    for v in values {
+        let obj = v.into_pyobject(py)?;
+        #[allow(unsafe_code)]
+        // SAFETY: the version is 3.11 and `obj` a live exact int; the check below decides
+        // whether the read is trusted.
+        let read = unsafe { small_int_311(obj.as_ptr()) };
+        if read != Some(v) || exact_int_slow(&obj) != Some(Int::V(v)) {
+            return Ok(());
+        }
+    }
+    // A three-digit int is left to CPython.
+    let big = (1i64 << 61).into_pyobject(py)?;
+    #[allow(unsafe_code)]
+    // SAFETY: as above.
+    if unsafe { small_int_311(big.as_ptr()) }.is_some() {
+        return Ok(());
+    }
+    INTS_ARE_311.store(true, Ordering::Relaxed);
+    Ok(())
 }
 
 /// An exact `int` within `i64` ([`exact_int`]); `None` for a bigger int or any other object.

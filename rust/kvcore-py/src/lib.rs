@@ -83,6 +83,7 @@ mod _native {
             libmimalloc_sys::mi_option_set(super::MI_OPTION_PURGE_DELAY, 0);
         }
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        super::args::probe_ints(m.py())?;
         super::manager::install_allocate_slots(m.py())?;
         super::errors::register(m)
     }

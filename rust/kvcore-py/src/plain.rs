@@ -166,7 +166,7 @@ impl Entries {
     /// # Safety
     /// As [`Entries::of`]: the dict `self` was read from lives and no Python code ran since.
     #[allow(unsafe_code)]
-    #[inline]
+    #[inline(always)]
     unsafe fn get(
         &self,
         name: *mut pyo3::ffi::PyObject,
@@ -484,8 +484,30 @@ pub(crate) struct PlainRequest<'py> {
 /// replace it), and the address of its value's slot when read by entry index (0 otherwise):
 /// by the entry `hint` names when the dict's `entries` were read and it is `name`'s, else by
 /// hash lookup (which then refreshes `hint`). `None` when the dict has no such key.
-#[inline]
+#[inline(always)]
 fn dict_get<'a, 'py>(
+    dict: &'a Bound<'py, PyDict>,
+    entries: Option<&Entries>,
+    name: &Bound<'py, PyString>,
+    hint: &AtomicU32,
+) -> Option<(Borrowed<'a, 'py, PyAny>, usize)> {
+    if let Some(e) = entries {
+        #[allow(unsafe_code)]
+        // SAFETY: `entries` is `dict`'s table, read with no Python code run since (the
+        // caller's contract), and `dict` lives as long as `'a`: the value is borrowed from it.
+        unsafe {
+            if let Some((value, slot)) = e.get(name.as_ptr(), hint.load(Ordering::Relaxed)) {
+                return Some((Borrowed::from_ptr(dict.py(), value), slot));
+            }
+        }
+    }
+    dict_lookup(dict, entries, name, hint)
+}
+
+/// [`dict_get`] by hash lookup, refreshing `hint` (slot address 0).
+#[cold]
+#[inline(never)]
+fn dict_lookup<'a, 'py>(
     dict: &'a Bound<'py, PyDict>,
     entries: Option<&Entries>,
     name: &Bound<'py, PyString>,
@@ -495,16 +517,11 @@ fn dict_get<'a, 'py>(
     #[allow(unsafe_code)]
     // SAFETY: the GIL is held (`py`); `dict` is a live exact dict and `name` an exact str;
     // `entries` is that dict's table, read with no Python code run since: a lookup in a dict
-    // of str keys (the only kind with a table) compares strs and runs none either. Both reads
-    // return a reference borrowed from the dict, which lives as long as `'a`, or nothing. A
+    // of str keys (the only kind with a table) compares strs and runs none either. The lookup
+    // returns a reference borrowed from the dict, which lives as long as `'a`, or nothing. A
     // failed lookup (a key of another type whose `__eq__` raised) has its error taken off the
     // thread, so that the caller's general path reports its own.
     unsafe {
-        if let Some(e) = entries {
-            if let Some((value, slot)) = e.get(name.as_ptr(), hint.load(Ordering::Relaxed)) {
-                return Some((Borrowed::from_ptr(py, value), slot));
-            }
-        }
         let item = pyo3::ffi::PyDict_GetItemWithError(dict.as_ptr(), name.as_ptr());
         if item.is_null() {
             if !pyo3::ffi::PyErr_Occurred().is_null() {
