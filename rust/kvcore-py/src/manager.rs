@@ -674,17 +674,16 @@ impl Inner {
     fn plain_noop<'py>(
         &self,
         py: Python<'py>,
-        plain: crate::plain::PlainRequest<'py>,
+        plain: crate::plain::PlainView<'_, 'py>,
         args: &AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
     ) -> Noop<'_, 'py> {
         let Some(d) = plain.decoded else {
             return Noop::Unknown;
         };
-        let Ok(Some(entry)) = self
-            .plain_hints
-            .entry(py, d.id_addr, || plain.get(intern!(py, "request_id")))
-        else {
+        let Ok(Some(entry)) = self.plain_hints.entry(py, d.id_addr, || {
+            plain.to_owned().get(intern!(py, "request_id"))
+        }) else {
             return Noop::Unknown;
         };
         entry.lines.set(d.lines);
@@ -701,7 +700,7 @@ impl Inner {
         }
         // The whole path takes the fields as read here.
         Noop::No(Some(PlainRead {
-            plain,
+            plain: plain.to_owned(),
             entry,
             num_computed_tokens: d.num_computed_tokens,
             num_prompt_tokens: d.num_prompt_tokens,

@@ -340,13 +340,14 @@ impl PlainClass {
 
     /// `request`'s fields: from its dict when its class is exactly this one and the instance
     /// fits, else `None`. With them, what a decode call reads ([`Decoded`]; the prompt length
-    /// only when `prompt`), read at the dict's entries in one pass.
+    /// only when `prompt`), read at the dict's entries in one pass. Borrowed: no Python code
+    /// may run while the view is used ([`PlainView::to_owned`] for longer).
     #[inline]
-    pub(crate) fn read<'py>(
+    pub(crate) fn read<'a, 'py>(
         &self,
-        request: &Bound<'py, PyAny>,
+        request: &'a Bound<'py, PyAny>,
         prompt: bool,
-    ) -> Option<PlainRequest<'py>> {
+    ) -> Option<PlainView<'a, 'py>> {
         if !std::ptr::eq(request.get_type_ptr(), self.cls.as_ptr().cast()) {
             return None;
         }
@@ -354,26 +355,31 @@ impl PlainClass {
         #[allow(unsafe_code)]
         // SAFETY: `request` is a live object and the GIL is held (`py`). Where the class has a
         // managed dict on 3.11 (`managed`, checked on a probe), the made dict is read where
-        // CPython keeps it, and counted. Otherwise (or before it is made) the class has a
-        // `__dict__` slot (checked at registration), so `PyObject_GenericGetDict` returns a
-        // new reference to the instance dict (making it when needed), or NULL with an
-        // exception set, which `from_owned_ptr_or_err` turns into an error.
+        // CPython keeps it. Otherwise (or before it is made) the class has a `__dict__` slot
+        // (checked at registration), so `PyObject_GenericGetDict` returns a new reference to
+        // the instance dict, made and stored in the instance when it had none, or NULL with an
+        // exception set (then taken off the thread: the caller's general path reports its own).
+        // Either way the instance holds a reference to its dict, which it keeps until Python
+        // code replaces it: the dict is borrowed from the instance, for `'a` (the view's
+        // contract), and the new reference is let go at once.
         let dict = unsafe {
-            let made = if self.managed {
+            let mut made = if self.managed {
                 managed_dict(request.as_ptr())
             } else {
                 std::ptr::null_mut()
             };
             if made.is_null() {
-                Bound::from_owned_ptr_or_err(
+                let owned = Bound::from_owned_ptr_or_err(
                     py,
                     pyo3::ffi::PyObject_GenericGetDict(request.as_ptr(), std::ptr::null_mut()),
                 )
-            } else {
-                Ok(Bound::from_borrowed_ptr(py, made))
+                .ok()?;
+                made = owned.as_ptr();
             }
+            Borrowed::from_ptr(py, made)
         };
-        let dict = dict.ok()?.downcast_into_exact::<PyDict>().ok()?;
+        let dict_any = dict;
+        let dict = dict_any.downcast_exact::<PyDict>().ok()?;
         #[allow(unsafe_code)]
         // SAFETY: the GIL is held, `dict` is a live exact dict, and the layout is 3.11's
         // (`hinted`). The table is used only below, where no Python code runs.
@@ -383,13 +389,19 @@ impl PlainClass {
             None
         };
         let (tokens, tokens_slot) = dict_get(
-            &dict,
+            dict,
             entries.as_ref(),
             self.tokens.bind(py),
             &DICT_HINTS.tokens,
         )?;
-        let tokens = tokens.to_owned().downcast_into_exact::<PyList>().ok()?;
-        let decoded = decode(&dict, entries.as_ref(), prompt).map(|mut d| {
+        if !tokens.is_exact_instance_of::<PyList>() {
+            return None;
+        }
+        #[allow(unsafe_code)]
+        // SAFETY: the list is the dict's value, which the dict (held by the request, `'a`)
+        // keeps alive until Python code runs (the view's contract).
+        let tokens = unsafe { Borrowed::from_ptr(py, tokens.as_ptr()) };
+        let decoded = decode(dict, entries.as_ref(), prompt).map(|mut d| {
             d.lines = [
                 (request.as_ptr() as usize).wrapping_sub(MANAGED_DICT_WORD * 8),
                 dict.as_ptr() as usize,
@@ -401,9 +413,9 @@ impl PlainClass {
             ];
             d
         });
-        Some(PlainRequest {
-            request: request.clone(),
-            dict,
+        Some(PlainView {
+            request,
+            dict: dict_any,
             tokens,
             decoded,
         })
@@ -472,7 +484,51 @@ fn decode(dict: &Bound<'_, PyDict>, entries: Option<&Entries>, prompt: bool) -> 
     })
 }
 
-/// A plain request's instance dict and token list, and its decode fields as read with them.
+/// A plain request's instance dict and token list as [`PlainClass::read`] found them,
+/// borrowed (no reference counted) from the request: valid while no Python code runs, which
+/// could replace them. Its decode fields as read with them.
+pub(crate) struct PlainView<'a, 'py> {
+    request: &'a Bound<'py, PyAny>,
+    /// An exact dict.
+    dict: Borrowed<'a, 'py, PyAny>,
+    /// An exact list.
+    tokens: Borrowed<'a, 'py, PyAny>,
+    pub(crate) decoded: Option<Decoded>,
+}
+
+impl<'py> PlainView<'_, 'py> {
+    /// The token list.
+    #[inline]
+    fn tokens(&self) -> &Bound<'py, PyList> {
+        #[allow(unsafe_code)]
+        // SAFETY: `read` checked that it is an exact list.
+        unsafe {
+            self.tokens.downcast_unchecked()
+        }
+    }
+
+    /// `num_tokens`: the token list's length.
+    #[inline]
+    pub(crate) fn num_tokens(&self) -> usize {
+        self.tokens().len()
+    }
+
+    /// The fields held (reference counted), for a path that may run Python code.
+    pub(crate) fn to_owned(&self) -> PlainRequest<'py> {
+        #[allow(unsafe_code)]
+        // SAFETY: `read` checked that it is an exact dict.
+        let dict = unsafe { self.dict.downcast_unchecked::<PyDict>() };
+        PlainRequest {
+            request: self.request.clone(),
+            dict: dict.clone(),
+            tokens: self.tokens().clone(),
+            decoded: self.decoded,
+        }
+    }
+}
+
+/// A plain request's instance dict and token list, held, and its decode fields as read with
+/// them.
 pub(crate) struct PlainRequest<'py> {
     request: Bound<'py, PyAny>,
     dict: Bound<'py, PyDict>,
@@ -537,12 +593,6 @@ fn dict_lookup<'a, 'py>(
 }
 
 impl<'py> PlainRequest<'py> {
-    /// `num_tokens`: the token list's length.
-    #[inline]
-    pub(crate) fn num_tokens(&self) -> usize {
-        self.tokens.len()
-    }
-
     /// The attribute `name`, from the dict: `AttributeError` when the request has none.
     pub(crate) fn get(&self, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
         self.dict.get_item(name)?.ok_or_else(|| {
@@ -571,7 +621,7 @@ impl<'a, 'py> Fields<'a, 'py> {
         prompt: bool,
     ) -> Self {
         match plain.and_then(|p| p.read(request, prompt)) {
-            Some(r) => Fields::Plain(r),
+            Some(r) => Fields::Plain(r.to_owned()),
             None => Fields::Attrs(request),
         }
     }
