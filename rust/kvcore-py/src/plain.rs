@@ -756,15 +756,17 @@ impl<'a, 'py> Fields<'a, 'py> {
 ///
 /// The entries live in a slab, indexed by id address. A scheduler calls its running requests
 /// in the same order every step, so each entry also notes which entry was found after it last
-/// time, and where that entry, its table slots (of the first two groups) and what its
-/// request's call read ([`Lines`]: the object, its dict, keys and the fields' entries, which
-/// with thousands of requests are no longer in the caches by the next step) are: the call
-/// after it checks that entry first (one comparison of
-/// addresses instead of a hash lookup, whose probe lands on a line of the index that the
-/// scheduler's own work between calls has pushed out of the caches), and all of them are
-/// prefetched when the entry before is found, so that they arrive while the scheduler's own
-/// code runs up to that call. The addresses are only ever prefetched (a stale one costs a
-/// useless fetch) and the noted entry is used only when its id address is the call's. The map
+/// time, and each entry notes where its request's table slots (of the first two groups) and
+/// what its call read ([`Lines`]: the object, its dict, keys and the fields' entries, which
+/// with thousands of requests are no longer in the caches by the next step) were. The call
+/// after an entry's checks the noted entry first (one comparison of addresses instead of a
+/// hash lookup, whose probe lands on a line of the index that the scheduler's own work between
+/// calls has pushed out of the caches), and the noted chain is a prefetch pipeline
+/// ([`PlainMap::find`]): each call prefetches the entry two calls ahead, and reads the entry one
+/// call ahead (fetched by the call before) to prefetch its slots and fields, so that they
+/// arrive while the scheduler's own code runs up to that call. The addresses are only ever
+/// prefetched (a stale one costs a useless fetch) and the noted entry is used only when its id
+/// address is the call's. The map
 /// is GIL-guarded state ([`GilCell`]): a call holds its request's entry in place for the call
 /// ([`PlainHints::entry`]). A call that finds the map held (another
 /// thread's call that let the GIL go, or a re-entrant one) does without it and reads the id,
@@ -792,27 +794,30 @@ const NO_ENTRY: u32 = u32::MAX;
 /// reads one line of it); the tables of further groups are found by id.
 const INLINE_HINTS: usize = 4;
 
-/// One plain request's slot hints, table key and id (kept alive). Aligned to a cache line,
-/// with what a decode call reads (the fields up to the second group's hint) in the first two
-/// lines, which the call before it prefetches.
+/// One plain request's slot hints, table key and id (kept alive). Aligned to a cache line;
+/// everything but the id, which a decode call does not read, in its first [`ENTRY_LINES`]
+/// lines, which the call two before it prefetches.
 #[repr(C, align(64))]
 pub(crate) struct PlainEntry {
     /// The address of `id`: the call after this entry's predecessor compares it.
     id_addr: usize,
-    /// The entry found after this one last time: its slab index and the address of its
-    /// first-group table slot. Prefetched when this entry is found, and checked first by the
-    /// next call. Hints for the cache and the lookup only.
-    next: std::cell::Cell<(u32, [usize; 2], Lines)>,
-    /// Where this entry's request's table slots of the first two groups were on its last call.
-    pub(crate) slot_addr: std::cell::Cell<[usize; 2]>,
-    /// Where its request's fields were on its last call.
-    pub(crate) lines: std::cell::Cell<Lines>,
+    /// The slab index of the entry found after this one last time: checked first by the next
+    /// call, and its entry, slots and fields prefetched ahead of it. A hint for the cache and
+    /// the lookup only.
+    next: std::cell::Cell<u32>,
     /// The id's table key (`crate::args::id_key`).
     pub(crate) key: String,
     /// One hint cell per group, the first [`INLINE_HINTS`] groups.
     pub(crate) hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
+    /// Where this entry's request's table slots of the first two groups were on its last call.
+    pub(crate) slot_addr: std::cell::Cell<[usize; 2]>,
+    /// Where its request's fields were on its last call.
+    pub(crate) lines: std::cell::Cell<Lines>,
     id: Py<PyString>,
 }
+
+/// The cache lines of a [`PlainEntry`] that a decode call reads.
+const ENTRY_LINES: usize = std::mem::offset_of!(PlainEntry, id).div_ceil(64);
 
 /// The smallest map size that triggers a sweep.
 const SWEEP_MIN: usize = 1024;
@@ -825,30 +830,38 @@ impl PlainMap {
     }
 
     /// The slab index of the entry of the id at `addr`: the entry noted after `prev` when it
-    /// is that id's, else found in the index. Notes it as `prev`'s successor.
+    /// is that id's, else found in the index (then noted as `prev`'s successor).
+    ///
+    /// Runs the prefetch pipeline along the noted successors: the next entry was fetched by
+    /// the call before, so its noted table slots and request fields are read now and
+    /// prefetched, to arrive while the scheduler's own code runs up to the next call; the entry
+    /// after it is prefetched for the call after this one to read.
     #[inline]
     fn find(&mut self, addr: usize) -> Option<u32> {
         let prev = std::mem::replace(&mut self.prev, NO_ENTRY);
-        let noted = self.at(prev).map(|p| p.next.get().0);
+        let noted = self.at(prev).map(|p| p.next.get());
         let i = match noted.filter(|&n| self.at(n).is_some_and(|e| e.id_addr == addr)) {
             Some(n) => n,
-            None => *self.index.get(&addr)?,
+            None => {
+                let i = *self.index.get(&addr)?;
+                // (A second lookup of the entry found last notes nothing: an entry is not its
+                // own successor.)
+                if let Some(p) = self.at(prev).filter(|_| prev != i) {
+                    p.next.set(i);
+                }
+                i
+            }
         };
         self.prev = i;
-        let entry = self.at(i)?;
-        let (next, next_slot, next_lines) = entry.next.get();
-        // (A second lookup of the entry found last notes nothing: an entry is not its own
-        // successor.)
-        if let Some(p) = self.at(prev).filter(|_| prev != i) {
-            p.next.set((i, entry.slot_addr.get(), entry.lines.get()));
-        }
-        if next != NO_ENTRY {
-            kvcore_core::prefetch::prefetch(self.slab.as_ptr().wrapping_add(next as usize));
-            kvcore_core::prefetch::prefetch(next_slot[0] as *const u8);
-            kvcore_core::prefetch::prefetch(next_slot[1] as *const u8);
-            for line in next_lines {
+        if let Some(next) = self.at(self.at(i)?.next.get()) {
+            let [a, b] = next.slot_addr.get();
+            kvcore_core::prefetch::prefetch(a as *const u8);
+            kvcore_core::prefetch::prefetch(b as *const u8);
+            for line in next.lines.get() {
                 kvcore_core::prefetch::prefetch(line as *const u8);
             }
+            let after = self.slab.as_ptr().wrapping_add(next.next.get() as usize);
+            kvcore_core::prefetch::prefetch_lines(after, ENTRY_LINES);
         }
         Some(i)
     }
@@ -917,7 +930,7 @@ impl PlainHints {
         }
         let entry = PlainEntry {
             id_addr: addr,
-            next: std::cell::Cell::new((NO_ENTRY, [0; 2], [0; LINES])),
+            next: std::cell::Cell::new(NO_ENTRY),
             slot_addr: std::cell::Cell::new([0; 2]),
             lines: std::cell::Cell::new([0; LINES]),
             key,
