@@ -656,12 +656,8 @@ impl Inner {
         // The request's fields, as the whole path reads them: a plain request's from its dict
         // and its entry in the hint map, a kvcore request's from its native base. Each kind in
         // a function of its own, so that a call runs the code of one.
-        if let Some(plain) = self
-            .plain
-            .as_ref()
-            .and_then(|p| p.read(request, self.reads_prompt))
-        {
-            return self.plain_noop(py, plain, args, next);
+        if let Some(plain) = self.plain.as_ref().filter(|p| p.is_class_of(request)) {
+            return self.plain_noop(py, plain, request, args, next);
         }
         match self.cast.borrow(request) {
             Ok(Some(c)) => self.core_request_noop(py, &c, args, next),
@@ -669,15 +665,20 @@ impl Inner {
         }
     }
 
-    /// [`Self::answers_noop`] for a plain request, read from its dict and its hint entry.
+    /// [`Self::answers_noop`] for a request of the plain class `class`, read from its dict and
+    /// its hint entry.
     #[inline(never)]
     fn plain_noop<'py>(
         &self,
         py: Python<'py>,
-        plain: crate::plain::PlainView<'_, 'py>,
+        class: &crate::plain::PlainClass,
+        request: &Bound<'py, PyAny>,
         args: &AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
     ) -> Noop<'_, 'py> {
+        let Some(plain) = class.read(request, self.reads_prompt) else {
+            return Noop::Unknown;
+        };
         let Some(d) = plain.decoded else {
             return Noop::Unknown;
         };

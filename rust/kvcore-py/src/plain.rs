@@ -338,17 +338,23 @@ impl PlainClass {
         })
     }
 
+    /// Whether `request`'s class is exactly this one.
+    #[inline]
+    pub(crate) fn is_class_of(&self, request: &Bound<'_, PyAny>) -> bool {
+        std::ptr::eq(request.get_type_ptr(), self.cls.as_ptr().cast())
+    }
+
     /// `request`'s fields: from its dict when its class is exactly this one and the instance
     /// fits, else `None`. With them, what a decode call reads ([`Decoded`]; the prompt length
     /// only when `prompt`), read at the dict's entries in one pass. Borrowed: no Python code
     /// may run while the view is used ([`PlainView::to_owned`] for longer).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn read<'a, 'py>(
         &self,
         request: &'a Bound<'py, PyAny>,
         prompt: bool,
     ) -> Option<PlainView<'a, 'py>> {
-        if !std::ptr::eq(request.get_type_ptr(), self.cls.as_ptr().cast()) {
+        if !self.is_class_of(request) {
             return None;
         }
         let py = request.py();
@@ -446,15 +452,24 @@ pub(crate) const LINES: usize = 7;
 /// and `request_id`, and the token list. Only ever prefetched: a stale one costs a useless fetch.
 pub(crate) type Lines = [usize; LINES];
 
+/// A count field ([`dict_get`]) and its slot's address, when an exact int in range.
+#[inline(always)]
+fn dict_count(
+    dict: &Bound<'_, PyDict>,
+    entries: Option<&Entries>,
+    name: &Bound<'_, PyString>,
+    hint: &AtomicU32,
+) -> Option<(usize, usize)> {
+    let (value, slot) = dict_get(dict, entries, name, hint)?;
+    Some((exact_int(&value)?.count_capped(COUNT_CAP)?, slot))
+}
+
 /// [`PlainClass::read`]'s decode fields; `None` when one is missing or of another type (the
 /// caller then reads the request the general way, which raises the error).
-#[inline]
+#[inline(always)]
 fn decode(dict: &Bound<'_, PyDict>, entries: Option<&Entries>, prompt: bool) -> Option<Decoded> {
     let py = dict.py();
-    let count = |name: &Bound<'_, PyString>, hint: &AtomicU32| -> Option<(usize, usize)> {
-        let (value, slot) = dict_get(dict, entries, name, hint)?;
-        Some((exact_int(&value)?.count_capped(COUNT_CAP)?, slot))
-    };
+    let count = |name, hint| dict_count(dict, entries, name, hint);
     let (num_computed_tokens, computed_slot) = count(
         intern!(py, "num_computed_tokens"),
         &DICT_HINTS.num_computed_tokens,
@@ -836,7 +851,7 @@ impl PlainMap {
     /// the call before, so its noted table slots and request fields are read now and
     /// prefetched, to arrive while the scheduler's own code runs up to the next call; the entry
     /// after it is prefetched for the call after this one to read.
-    #[inline]
+    #[inline(always)]
     fn find(&mut self, addr: usize) -> Option<u32> {
         let prev = std::mem::replace(&mut self.prev, NO_ENTRY);
         let noted = self.at(prev).map(|p| p.next.get());
