@@ -133,7 +133,7 @@ fn group_config(
 /// Where a duck-typed request's table key comes from: a plain request's kept entry (key and
 /// hints, held in place for the call), or any other request's `request_id` str.
 enum IdSource<'a, 'py> {
-    Plain(crate::sync::Held<'a, crate::plain::PlainEntry>),
+    Plain(std::cell::RefMut<'a, crate::plain::PlainEntry>),
     Str(Bound<'py, PyString>),
 }
 
@@ -255,7 +255,7 @@ enum Noop<'a, 'py> {
 /// A plain request's fields as [`Inner::answers_noop`] read them, its hint entry held.
 struct PlainRead<'a, 'py> {
     plain: crate::plain::PlainRequest<'py>,
-    entry: crate::sync::Held<'a, crate::plain::PlainEntry>,
+    entry: std::cell::RefMut<'a, crate::plain::PlainEntry>,
     num_computed_tokens: usize,
     /// 0 unless the configuration reads it (as [`Inner::num_prompt_tokens`]).
     num_prompt_tokens: usize,

@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use crate::args::{count_of, exact_int, request_id_of, COUNT_CAP};
 use crate::errors::invalid;
 use crate::pool::get_opt;
-use crate::sync::{lock_cell, try_lock_cell, GilCell, Held};
+use crate::sync::GilCell;
+use std::cell::RefMut;
 
 /// The attributes the manager reads from a request (besides `num_tokens`).
 fn field_names(py: Python<'_>) -> [&Bound<'_, PyString>; 13] {
@@ -912,14 +913,15 @@ impl PlainHints {
         py: Python<'py>,
         addr: usize,
         id: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
-    ) -> PyResult<Option<Held<'a, PlainEntry>>> {
-        let Some(mut state) = try_lock_cell(py, &self.state) else {
+    ) -> PyResult<Option<RefMut<'a, PlainEntry>>> {
+        let Some(mut state) = self.state.try_borrow(py) else {
             return Ok(None);
         };
         if let Some(i) = state.find(addr) {
-            return Ok(state
-                .filter_map(|s| s.slab.get_mut(i as usize).and_then(Option::as_mut))
-                .ok());
+            return Ok(RefMut::filter_map(state, |s| {
+                s.slab.get_mut(i as usize).and_then(Option::as_mut)
+            })
+            .ok());
         }
         let id = id()?;
         if id.as_ptr() as usize != addr {
@@ -967,15 +969,16 @@ impl PlainHints {
         };
         state.index.insert(addr, i);
         state.prev = i;
-        Ok(state
-            .filter_map(|s| s.slab.get_mut(i as usize).and_then(Option::as_mut))
-            .ok())
+        Ok(RefMut::filter_map(state, |s| {
+            s.slab.get_mut(i as usize).and_then(Option::as_mut)
+        })
+        .ok())
     }
 
     /// Drops the entry of `id`, if any (its request was freed). Left for the sweep while the
     /// map is held by another call (the entry's hints then only miss).
     pub(crate) fn forget(&self, id: &Bound<'_, PyString>) {
-        let removed = try_lock_cell(id.py(), &self.state).and_then(|mut s| {
+        let removed = self.state.try_borrow(id.py()).and_then(|mut s| {
             let i = s.index.remove(&(id.as_ptr() as usize))?;
             s.free.push(i);
             s.slab.get_mut(i as usize).and_then(Option::take)
@@ -984,8 +987,14 @@ impl PlainHints {
         drop(removed);
     }
 
-    /// How many entries the map holds.
+    /// How many entries the map holds (`InvariantViolationError` while a call holds it).
     pub(crate) fn len(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(lock_cell(py, &self.state, "plain request map")?.index.len())
+        let state = self.state.try_borrow(py).ok_or_else(|| {
+            crate::errors::error(
+                crate::errors::Kind::InvariantViolation,
+                "the plain request map is held by a call".to_owned(),
+            )
+        })?;
+        Ok(state.index.len())
     }
 }

@@ -45,6 +45,16 @@ impl<T> GilCell<T> {
     }
 }
 
+impl<T> GilCell<T> {
+    /// The value when no call holds it, else `None`, recording no owner: only for a cell that
+    /// is never taken another way ([`lock_cell`] could not tell a re-entrant call on such a
+    /// cell from another thread's).
+    #[inline]
+    pub fn try_borrow(&self, _py: Python<'_>) -> Option<RefMut<'_, T>> {
+        self.value.try_borrow_mut().ok()
+    }
+}
+
 /// A pyclass whose state lives in a [`GilCell`].
 pub trait Guarded {
     /// The state.
@@ -73,11 +83,12 @@ fn reentrant(what: &str) -> PyErr {
     )
 }
 
-/// The state of a [`GilCell`] (or a part of it, [`Held::filter_map`]), held by this call until
+/// The state of a [`GilCell`], held by this call until
 /// dropped.
 pub struct Held<'a, T> {
     value: RefMut<'a, T>,
-    owner: Release<'a>,
+    /// Dropped after `value`: clears the owner.
+    _owner: Release<'a>,
 }
 
 /// Clears a [`GilCell`]'s owner when its state is let go (after the borrow itself, the field
@@ -88,22 +99,6 @@ impl Drop for Release<'_> {
     #[inline]
     fn drop(&mut self) {
         self.0.set(0);
-    }
-}
-
-impl<'a, T> Held<'a, T> {
-    /// The part of the state `f` picks, held as the whole was; the whole back when it picks
-    /// none.
-    #[inline]
-    pub fn filter_map<U>(
-        self,
-        f: impl FnOnce(&mut T) -> Option<&mut U>,
-    ) -> Result<Held<'a, U>, Self> {
-        let Held { value, owner } = self;
-        match RefMut::filter_map(value, f) {
-            Ok(value) => Ok(Held { value, owner }),
-            Err(value) => Err(Held { value, owner }),
-        }
     }
 }
 
@@ -143,7 +138,7 @@ pub fn lock_cell<'a, T>(py: Python<'_>, cell: &'a GilCell<T>, what: &str) -> PyR
             cell.owner.set(current_thread(py));
             return Ok(Held {
                 value,
-                owner: Release(&cell.owner),
+                _owner: Release(&cell.owner),
             });
         }
         if cell.owner.get() == current_thread(py) {
@@ -153,16 +148,4 @@ pub fn lock_cell<'a, T>(py: Python<'_>, cell: &'a GilCell<T>, what: &str) -> PyR
         // finish. Nothing of the cell is touched while the GIL is released.
         py.allow_threads(std::thread::yield_now);
     }
-}
-
-/// Holds `cell` when no call does, else `None` (another thread's call, or this thread's own
-/// further up the stack): for state a caller can do without, taking another way.
-#[inline]
-pub fn try_lock_cell<'a, T>(py: Python<'_>, cell: &'a GilCell<T>) -> Option<Held<'a, T>> {
-    let value = cell.value.try_borrow_mut().ok()?;
-    cell.owner.set(current_thread(py));
-    Some(Held {
-        value,
-        owner: Release(&cell.owner),
-    })
 }
