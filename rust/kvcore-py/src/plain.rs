@@ -77,6 +77,13 @@ struct DictHints {
     num_computed_tokens: AtomicU32,
     num_prompt_tokens: AtomicU32,
     tokens: AtomicU32,
+    /// The fields a call that caches a block reads ([`Fields::tokens_only`],
+    /// [`Fields::plain_hashes`]).
+    block_hashes: AtomicU32,
+    lora_request: AtomicU32,
+    cache_salt: AtomicU32,
+    prompt_embeds: AtomicU32,
+    mm_features: AtomicU32,
 }
 
 static DICT_HINTS: DictHints = DictHints {
@@ -84,6 +91,11 @@ static DICT_HINTS: DictHints = DictHints {
     num_computed_tokens: AtomicU32::new(0),
     num_prompt_tokens: AtomicU32::new(0),
     tokens: AtomicU32::new(0),
+    block_hashes: AtomicU32::new(0),
+    lora_request: AtomicU32::new(0),
+    cache_salt: AtomicU32::new(0),
+    prompt_embeds: AtomicU32::new(0),
+    mm_features: AtomicU32::new(0),
 };
 
 /// CPython 3.11's dict layout (`Include/cpython/dictobject.h`, `Include/internal/pycore_dict.h`):
@@ -425,6 +437,7 @@ impl PlainClass {
             dict: dict_any,
             tokens,
             decoded,
+            hinted: self.hinted,
         })
     }
 }
@@ -510,6 +523,8 @@ pub(crate) struct PlainView<'a, 'py> {
     /// An exact list.
     tokens: Borrowed<'a, 'py, PyAny>,
     pub(crate) decoded: Option<Decoded>,
+    /// Whether the dict is read by entry index (`PlainClass::hinted`).
+    hinted: bool,
 }
 
 impl<'py> PlainView<'_, 'py> {
@@ -539,6 +554,7 @@ impl<'py> PlainView<'_, 'py> {
             dict: dict.clone(),
             tokens: self.tokens().clone(),
             decoded: self.decoded,
+            hinted: self.hinted,
         }
     }
 }
@@ -550,6 +566,7 @@ pub(crate) struct PlainRequest<'py> {
     dict: Bound<'py, PyDict>,
     tokens: Bound<'py, PyList>,
     pub(crate) decoded: Option<Decoded>,
+    hinted: bool,
 }
 
 /// `dict[name]`, borrowed (no reference counted: valid until Python code runs, which could
@@ -609,16 +626,59 @@ fn dict_lookup<'a, 'py>(
 }
 
 impl<'py> PlainRequest<'py> {
+    /// The attribute `name` from the dict, or `None` when it has none: read at the entry
+    /// `hint` names when the dict is read by index (the entry table taken afresh: Python
+    /// code may have run since the request was read), else by hash lookup, which then
+    /// refreshes `hint`.
+    fn field(
+        &self,
+        name: &Bound<'py, PyString>,
+        hint: &AtomicU32,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let entries = || {
+            #[allow(unsafe_code)]
+            // SAFETY: the GIL is held, `self.dict` is a live exact dict (held), and the layout
+            // is 3.11's (`hinted`); the table is used at once, with no Python code run.
+            self.hinted
+                .then(|| unsafe { Entries::of(self.dict.as_ptr()) })
+                .flatten()
+        };
+        if let Some(e) = entries() {
+            #[allow(unsafe_code)]
+            // SAFETY: `e` was read just now from the held dict; the value is counted at once.
+            if let Some((value, _)) = unsafe { e.get(name.as_ptr(), hint.load(Ordering::Relaxed)) }
+            {
+                #[allow(unsafe_code)]
+                // SAFETY: `value` is a live object the dict holds.
+                return Ok(Some(unsafe {
+                    Bound::from_borrowed_ptr(self.dict.py(), value)
+                }));
+            }
+        }
+        let value = self.dict.get_item(name)?;
+        if value.is_some() {
+            #[allow(unsafe_code)]
+            // SAFETY: as above (the lookup may have run Python code: the table is read again).
+            if let Some(ix) = entries().and_then(|e| unsafe { e.find(name.as_ptr()) }) {
+                hint.store(ix, Ordering::Relaxed);
+            }
+        }
+        Ok(value)
+    }
+
     /// The attribute `name`, from the dict: `AttributeError` when the request has none.
     pub(crate) fn get(&self, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
-        self.dict.get_item(name)?.ok_or_else(|| {
-            let cls = self
-                .request
-                .get_type()
-                .name()
-                .map_or_else(|_| "?".to_owned(), |n| n.to_string());
-            PyAttributeError::new_err(format!("'{cls}' object has no attribute '{name}'"))
-        })
+        self.dict.get_item(name)?.ok_or_else(|| self.missing(name))
+    }
+
+    /// The `AttributeError` of a missing attribute `name`.
+    fn missing(&self, name: &Bound<'py, PyString>) -> PyErr {
+        let cls = self
+            .request
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+        PyAttributeError::new_err(format!("'{cls}' object has no attribute '{name}'"))
     }
 }
 
@@ -675,7 +735,11 @@ impl<'a, 'py> Fields<'a, 'py> {
             return None;
         };
         let py = p.tokens.py();
-        Some(self.get(intern!(py, "block_hashes")).and_then(|h| {
+        let name = intern!(py, "block_hashes");
+        let hashes = p
+            .field(name, &DICT_HINTS.block_hashes)
+            .and_then(|h| h.ok_or_else(|| p.missing(name)));
+        Some(hashes.and_then(|h| {
             if h.is_exact_instance_of::<PyList>() || h.is_exact_instance_of::<PyTuple>() {
                 Ok(h)
             } else {
@@ -701,16 +765,16 @@ impl<'a, 'py> Fields<'a, 'py> {
             return Ok(None);
         };
         let py = p.tokens.py();
-        for name in [
-            intern!(py, "lora_request"),
-            intern!(py, "cache_salt"),
-            intern!(py, "prompt_embeds"),
+        for (name, hint) in [
+            (intern!(py, "lora_request"), &DICT_HINTS.lora_request),
+            (intern!(py, "cache_salt"), &DICT_HINTS.cache_salt),
+            (intern!(py, "prompt_embeds"), &DICT_HINTS.prompt_embeds),
         ] {
-            if p.dict.get_item(name)?.is_some_and(|v| !v.is_none()) {
+            if p.field(name, hint)?.is_some_and(|v| !v.is_none()) {
                 return Ok(None);
             }
         }
-        if let Some(mm) = p.dict.get_item(intern!(py, "mm_features"))? {
+        if let Some(mm) = p.field(intern!(py, "mm_features"), &DICT_HINTS.mm_features)? {
             let none = mm.is_none() || mm.downcast::<PyList>().is_ok_and(|l| l.is_empty());
             if !none {
                 return Ok(None);
