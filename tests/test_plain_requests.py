@@ -148,6 +148,12 @@ def play(mgr: KVCacheManager, cls: type[PlainRequest], seed: int) -> list[Any]:
             req: Any = cls(f"r{step}", prompt, hasher)
             if rng.random() < 0.2:
                 req.mm_features = []
+            if rng.random() < 0.15:
+                # The event of its first block (a prompt of its own: not a hit) carries the
+                # salt as an extra key, read from the dict on both paths.
+                own = [50 + rng.randrange(50) for _ in range(rng.randrange(4, 13))]
+                req = cls(f"r{step}", own, hasher)
+                req.cache_salt = "salt"
             hits = outcome(mgr.get_computed_blocks, req)
             log.append(hits)
             blocks, n = mgr.get_computed_blocks(req)
