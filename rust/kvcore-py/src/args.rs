@@ -122,7 +122,7 @@ unsafe fn small_int_311(obj: *mut pyo3::ffi::PyObject) -> Option<i64> {
 
 /// Checks that this interpreter's ints have CPython 3.11's layout (the version, and
 /// [`small_int_311`] reading probe values of every size it reads as CPython does), and turns
-/// the direct read on when they do.
+/// the direct read on when they do; the same for lists' item arrays ([`list_items_311`]).
 pub(crate) fn probe_ints(py: Python<'_>) -> PyResult<()> {
     let version = py.version_info();
     if (version.major, version.minor) != (3, 11) {
@@ -159,6 +159,19 @@ pub(crate) fn probe_ints(py: Python<'_>) -> PyResult<()> {
         return Ok(());
     }
     INTS_ARE_311.store(true, Ordering::Relaxed);
+    // A list's item array, read where 3.11 keeps it, holds the items `PyList_GetItem` returns.
+    let list = PyList::new(py, values)?;
+    #[allow(unsafe_code)]
+    // SAFETY: the version is 3.11 and `list` a live list of `values.len()` items; each pointer
+    // read is compared, not used, unless the array is trusted below.
+    let same = unsafe {
+        let items = list_items_311(list.as_ptr());
+        (0..values.len()).all(|i| {
+            let expected = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+            !items.is_null() && *items.add(i) == expected
+        })
+    };
+    LISTS_ARE_311.store(same, Ordering::Relaxed);
     Ok(())
 }
 
@@ -178,7 +191,23 @@ pub fn exact_i64s(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<
     if start > end || end > list.len() {
         return None;
     }
+    let py = list.py();
     let mut out = Vec::with_capacity(end - start);
+    if LISTS_ARE_311.load(Ordering::Relaxed) {
+        #[allow(unsafe_code)]
+        // SAFETY: the GIL is held and lists have 3.11's layout (`LISTS_ARE_311`, probed):
+        // `ob_item` points at the list's `len(list)` item pointers, each a reference the list
+        // owns, and `start <= end <= len(list)`. Nothing in this loop runs Python code or
+        // releases the GIL (`exact_i64` only reads an exact int's digits), so the list cannot
+        // change or drop an item while it is borrowed, and the borrow ends with the iteration.
+        unsafe {
+            let items = list_items_311(list.as_ptr());
+            for i in start..end {
+                out.push(exact_i64(&pyo3::Borrowed::from_ptr(py, *items.add(i)))?);
+            }
+        }
+        return Some(out);
+    }
     for i in start..end {
         #[allow(unsafe_code)]
         // SAFETY: the GIL is held and `i < end <= len(list)`: `PyList_GetItem` returns the
@@ -188,11 +217,34 @@ pub fn exact_i64s(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<
         // the borrow ends with the iteration.
         let item = unsafe {
             let ptr = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
-            pyo3::Borrowed::from_ptr(list.py(), ptr)
+            pyo3::Borrowed::from_ptr(py, ptr)
         };
         out.push(exact_i64(&item)?);
     }
     Some(out)
+}
+
+/// Whether [`exact_i64s`] reads a list's items from its item array ([`list_items_311`]): set at
+/// module import by [`probe_ints`].
+static LISTS_ARE_311: AtomicBool = AtomicBool::new(false);
+
+/// `PyListObject.ob_item` in CPython 3.11 (after the variable-size object header).
+const LIST_OB_ITEM: usize = 24;
+
+/// A list's item array (CPython 3.11's `ob_item`).
+///
+/// # Safety
+/// `list` is a live list, the GIL is held, and lists have 3.11's layout ([`probe_ints`]).
+#[allow(unsafe_code)]
+#[inline(always)]
+unsafe fn list_items_311(list: *mut pyo3::ffi::PyObject) -> *const *mut pyo3::ffi::PyObject {
+    // SAFETY: the caller's contract: the word at `LIST_OB_ITEM` is `ob_item`.
+    unsafe {
+        *list
+            .cast::<u8>()
+            .add(LIST_OB_ITEM)
+            .cast::<*const *mut pyo3::ffi::PyObject>()
+    }
 }
 
 /// Reads an int (or an object with `__index__`) exactly; see the module docs. An exact `int`
