@@ -581,17 +581,20 @@ impl Inner {
         };
         // With events on, a duck-typed request's event fields are read now when this call
         // may cache a block (the core's answer, the tables held only for the question): the
-        // core asks for them while the tables are held, when no Python code may run.
-        let source = if self.events
-            && self.caching
-            && !args.delay_cache_blocks
-            && request_core.is_none()
-            && self.may_cache_a_block(py, &view, &args)?
-        {
-            Inner::meta_source(&fields)?
-        } else {
-            MetaSource::Request(request)
-        };
+        // core asks for them while the tables are held, when no Python code may run. A plain
+        // request whose dict says, without running Python code, that its events need only its
+        // tokens hands over its token list without the question.
+        let source =
+            if !(self.events && self.caching && !args.delay_cache_blocks && request_core.is_none())
+            {
+                MetaSource::Request(request)
+            } else if let Some(tokens) = fields.quiet_tokens_only() {
+                MetaSource::Tokens(tokens)
+            } else if self.may_cache_a_block(py, &view, &args)? {
+                Inner::meta_source(&fields)?
+            } else {
+                MetaSource::Request(request)
+            };
         let mut meta =
             |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> { Ok(source.meta(req)?) };
         // A duck-typed request's hash list is read now; only its entries are read while the

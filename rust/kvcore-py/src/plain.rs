@@ -626,40 +626,73 @@ fn dict_lookup<'a, 'py>(
 }
 
 impl<'py> PlainRequest<'py> {
-    /// The attribute `name` from the dict, or `None` when it has none: read at the entry
-    /// `hint` names when the dict is read by index (the entry table taken afresh: Python
-    /// code may have run since the request was read), else by hash lookup, which then
-    /// refreshes `hint`.
+    /// The dict's entry table when it is read by index (its keys all str, so that no lookup in
+    /// it runs Python code), read now: valid until Python code runs.
+    #[inline]
+    fn entries(&self) -> Option<Entries> {
+        #[allow(unsafe_code)]
+        // SAFETY: the GIL is held, `self.dict` is a live exact dict (held), and the layout is
+        // 3.11's (`hinted`).
+        self.hinted
+            .then(|| unsafe { Entries::of(self.dict.as_ptr()) })
+            .flatten()
+    }
+
+    /// `f` of the attribute `name` (`None` when the request has none), read at the entry
+    /// `hint` names in `entries` (this dict's table, [`Self::entries`], read with no Python code
+    /// run since) when that is `name`'s, else by [`Self::lookup`].
+    #[inline(always)]
+    fn peek<R>(
+        &self,
+        entries: Option<&Entries>,
+        name: &Bound<'py, PyString>,
+        hint: &AtomicU32,
+        f: impl FnOnce(Option<&Bound<'py, PyAny>>) -> R,
+    ) -> PyResult<R> {
+        if let Some(e) = entries {
+            #[allow(unsafe_code)]
+            // SAFETY: the caller's contract on `entries`; the value is borrowed from the held
+            // dict for `f`, which runs no Python code through it that could drop it (`f` is
+            // given a reference only for the call).
+            if let Some((value, _)) = unsafe { e.get(name.as_ptr(), hint.load(Ordering::Relaxed)) }
+            {
+                #[allow(unsafe_code)]
+                // SAFETY: `value` is a live object the dict holds.
+                let value = unsafe { Borrowed::from_ptr(self.dict.py(), value) };
+                return Ok(f(Some(&value)));
+            }
+        }
+        Ok(f(self.lookup(name, hint)?.as_ref()))
+    }
+
+    /// The attribute `name` from the dict, or `None` when it has none ([`Self::peek`], the
+    /// entry table read afresh: Python code may have run since the request was read).
     fn field(
         &self,
         name: &Bound<'py, PyString>,
         hint: &AtomicU32,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let entries = || {
-            #[allow(unsafe_code)]
-            // SAFETY: the GIL is held, `self.dict` is a live exact dict (held), and the layout
-            // is 3.11's (`hinted`); the table is used at once, with no Python code run.
-            self.hinted
-                .then(|| unsafe { Entries::of(self.dict.as_ptr()) })
-                .flatten()
-        };
-        if let Some(e) = entries() {
-            #[allow(unsafe_code)]
-            // SAFETY: `e` was read just now from the held dict; the value is counted at once.
-            if let Some((value, _)) = unsafe { e.get(name.as_ptr(), hint.load(Ordering::Relaxed)) }
-            {
-                #[allow(unsafe_code)]
-                // SAFETY: `value` is a live object the dict holds.
-                return Ok(Some(unsafe {
-                    Bound::from_borrowed_ptr(self.dict.py(), value)
-                }));
-            }
-        }
+        self.peek(self.entries().as_ref(), name, hint, |v| v.cloned())
+    }
+
+    /// The attribute `name` by hash lookup, `None` when the request has none; refreshes `hint`
+    /// when found.
+    #[cold]
+    #[inline(never)]
+    fn lookup(
+        &self,
+        name: &Bound<'py, PyString>,
+        hint: &AtomicU32,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let value = self.dict.get_item(name)?;
         if value.is_some() {
             #[allow(unsafe_code)]
-            // SAFETY: as above (the lookup may have run Python code: the table is read again).
-            if let Some(ix) = entries().and_then(|e| unsafe { e.find(name.as_ptr()) }) {
+            // SAFETY: the table is read again (the lookup may have run Python code) and used
+            // at once.
+            if let Some(ix) = self
+                .entries()
+                .and_then(|e| unsafe { e.find(name.as_ptr()) })
+            {
                 hint.store(ix, Ordering::Relaxed);
             }
         }
@@ -765,22 +798,36 @@ impl<'a, 'py> Fields<'a, 'py> {
             return Ok(None);
         };
         let py = p.tokens.py();
+        // One read of the entry table for the four fields: a lookup in it runs no Python code.
+        let entries = p.entries();
+        let e = entries.as_ref();
         for (name, hint) in [
             (intern!(py, "lora_request"), &DICT_HINTS.lora_request),
             (intern!(py, "cache_salt"), &DICT_HINTS.cache_salt),
             (intern!(py, "prompt_embeds"), &DICT_HINTS.prompt_embeds),
         ] {
-            if p.field(name, hint)?.is_some_and(|v| !v.is_none()) {
+            if p.peek(e, name, hint, |v| v.is_some_and(|v| !v.is_none()))? {
                 return Ok(None);
             }
         }
-        if let Some(mm) = p.field(intern!(py, "mm_features"), &DICT_HINTS.mm_features)? {
-            let none = mm.is_none() || mm.downcast::<PyList>().is_ok_and(|l| l.is_empty());
-            if !none {
-                return Ok(None);
-            }
-        }
-        Ok(Some(&p.tokens))
+        let mm = intern!(py, "mm_features");
+        let extra = p.peek(e, mm, &DICT_HINTS.mm_features, |mm| {
+            mm.is_some_and(|mm| {
+                !(mm.is_none() || mm.downcast::<PyList>().is_ok_and(|l| l.is_empty()))
+            })
+        })?;
+        Ok((!extra).then_some(&p.tokens))
+    }
+
+    /// [`Self::tokens_only`] when it is known without running Python code or raising (a
+    /// plain request whose dict has str keys only, so that its lookups compare strs): the
+    /// token list, or `None` (then ask [`Self::tokens_only`] when the event fields are needed).
+    pub(crate) fn quiet_tokens_only(&self) -> Option<&Bound<'py, PyList>> {
+        let Fields::Plain(p) = self else {
+            return None;
+        };
+        p.entries()?;
+        self.tokens_only().ok().flatten()
     }
 
     /// A plain copy of the fields a `BlockStored` event reads (SPEC §17), taken before the
