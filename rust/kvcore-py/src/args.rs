@@ -188,43 +188,69 @@ pub fn exact_i64(obj: &Bound<'_, PyAny>) -> Option<i64> {
 /// borrowed (no reference counting); `None` when the range is past the list's end or as soon
 /// as an item is anything else (the caller then reads the list item by item, with its errors).
 pub fn exact_i64s(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
+    let mut out = Vec::with_capacity(end.saturating_sub(start));
+    each_exact_i64(list, start, end, |v| out.push(v)).then_some(out)
+}
+
+/// Whether items `start..end` of `list` are all exact `int`s within `i64` ([`exact_i64s`]'s
+/// check, nothing copied).
+pub fn all_exact_i64s(list: &Bound<'_, PyList>, start: usize, end: usize) -> bool {
+    each_exact_i64(list, start, end, |_| ())
+}
+
+/// Calls `f` with the values of items `start..end` of `list` in order while they are exact
+/// `int`s within `i64`; `false` when the range is past the list's end or at the first item
+/// that is not.
+#[inline(always)]
+fn each_exact_i64(
+    list: &Bound<'_, PyList>,
+    start: usize,
+    end: usize,
+    mut f: impl FnMut(i64),
+) -> bool {
     if start > end || end > list.len() {
-        return None;
+        return false;
     }
     let py = list.py();
-    let mut out = Vec::with_capacity(end - start);
     if LISTS_ARE_311.load(Ordering::Relaxed) {
         #[allow(unsafe_code)]
         // SAFETY: the GIL is held and lists have 3.11's layout (`LISTS_ARE_311`, probed):
         // `ob_item` points at the list's `len(list)` item pointers, each a reference the list
         // owns, and `start <= end <= len(list)`. Nothing in this loop runs Python code or
-        // releases the GIL (`exact_i64` only reads an exact int's digits), so the list cannot
-        // change or drop an item while it is borrowed, and the borrow ends with the iteration.
+        // releases the GIL (`exact_i64` only reads an exact int's digits, `f` takes an
+        // `i64`), so the list cannot change or drop an item while it is borrowed, and the
+        // borrow ends with the iteration.
         unsafe {
             let items = list_items_311(list.as_ptr());
             for i in start..end {
-                out.push(exact_i64(&pyo3::Borrowed::from_ptr(py, *items.add(i)))?);
+                match exact_i64(&pyo3::Borrowed::from_ptr(py, *items.add(i))) {
+                    Some(v) => f(v),
+                    None => return false,
+                }
             }
         }
-        return Some(out);
+        return true;
     }
     for i in start..end {
         #[allow(unsafe_code)]
         // SAFETY: the GIL is held and `i < end <= len(list)`: `PyList_GetItem` returns the
         // list's own (borrowed) reference to item `i` without setting an error. Nothing in
-        // this loop runs Python code or releases the GIL (`exact_i64` only reads an exact
-        // int's digits), so the list cannot shrink or drop the item while it is borrowed, and
-        // the borrow ends with the iteration.
+        // this loop runs Python code or releases the GIL (as above), so the list cannot
+        // shrink or drop the item while it is borrowed, and the borrow ends with the
+        // iteration.
         let item = unsafe {
             let ptr = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
             pyo3::Borrowed::from_ptr(py, ptr)
         };
-        out.push(exact_i64(&item)?);
+        match exact_i64(&item) {
+            Some(v) => f(v),
+            None => return false,
+        }
     }
-    Some(out)
+    true
 }
 
-/// Whether [`exact_i64s`] reads a list's items from its item array ([`list_items_311`]): set at
+/// Whether [`each_exact_i64`] reads a list's items from its item array ([`list_items_311`]): set at
 /// module import by [`probe_ints`].
 static LISTS_ARE_311: AtomicBool = AtomicBool::new(false);
 

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PySlice, PyTuple};
 
-use crate::args::{exact_i64s, group_id_of, int_of, Flag, Int};
+use crate::args::{all_exact_i64s, exact_i64s, group_id_of, int_of, Flag, Int};
 use crate::errors::{error, invalid, to_pyerr, type_error, Error, Kind};
 use crate::events::{events_to_py, py_to_value, use_int_hashes, EventStyle};
 use crate::plain::Fields;
@@ -224,7 +224,7 @@ pub(crate) fn tokens_only_meta(
 ) -> PyResult<StoredMeta> {
     let (start, end) = req.token_range;
     let slice = tokens.get_slice(start, end);
-    if exact_i64s(tokens, start, end).is_none() {
+    if !all_exact_i64s(tokens, start, end) {
         // Anything else as `stored_meta` reads it (an int subclass, or the error).
         let ids: Vec<i64> = slice.extract()?;
         return Ok(tokens_meta(ids.into(), req));
