@@ -23,6 +23,21 @@ pub fn prefetch<T>(addr: *const T) {
     let _ = addr;
 }
 
+/// Hints the CPU to bring the one cache line holding `addr` into the cache (for a small
+/// object or field that lies within one line). A hint only, as [`prefetch`].
+#[inline(always)]
+pub fn prefetch_line<T>(addr: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unsafe_code)]
+    // SAFETY: as `prefetch`: the instruction never faults, whatever the address.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch(addr.cast::<i8>(), _MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = addr;
+}
+
 /// [`prefetch`] for the `lines` cache lines (64 bytes each, rounded up to pairs) starting at
 /// `addr`.
 #[inline(always)]
@@ -42,6 +57,7 @@ mod tests {
         let v = [1u64, 2, 3];
         prefetch(v.as_ptr());
         prefetch(std::ptr::null::<u8>());
+        super::prefetch_line(usize::MAX as *const u8);
         prefetch(usize::MAX as *const u8);
         super::prefetch_lines(v.as_ptr(), 4);
         assert_eq!(v, [1, 2, 3]);

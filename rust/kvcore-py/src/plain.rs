@@ -984,8 +984,15 @@ impl PlainMap {
             let [a, b] = next.slot_addr.get();
             kvcore_core::prefetch::prefetch(a as *const u8);
             kvcore_core::prefetch::prefetch(b as *const u8);
-            for line in next.lines.get() {
+            // The object (its managed dict word lies before it), the dict and its keys, and
+            // the token list may straddle a line; a dict entry (16 bytes, 16-aligned) may not.
+            let [object, dict, keys, tokens_slot, tokens, computed_slot, id_slot] =
+                next.lines.get();
+            for line in [object, dict, keys, tokens] {
                 kvcore_core::prefetch::prefetch(line as *const u8);
+            }
+            for line in [tokens_slot, computed_slot, id_slot] {
+                kvcore_core::prefetch::prefetch_line(line as *const u8);
             }
             let after = self.slab.as_ptr().wrapping_add(next.next.get() as usize);
             kvcore_core::prefetch::prefetch_lines(after, ENTRY_LINES);
