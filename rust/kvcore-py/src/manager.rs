@@ -570,13 +570,13 @@ impl Inner {
         let mut hash_len = || -> Result<usize, Error> {
             match mirror() {
                 Some(m) => Ok(m.len()),
-                None => Ok(fetch()?.len()?),
+                None => Ok(crate::pool::seq_len(fetch()?)?),
             }
         };
         let mut get = |i: usize| -> Result<BlockHash, Error> {
             match mirror() {
                 Some(m) => Ok(m[i]),
-                None => Ok(to_hash(&fetch()?.get_item(i)?)?),
+                None => Ok(to_hash(&crate::pool::seq_item(fetch()?, i)?)?),
             }
         };
         // With events on, a duck-typed request's event fields are read now when this call

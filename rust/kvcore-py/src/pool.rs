@@ -272,6 +272,31 @@ pub(crate) fn list_or_copy<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, 
     Ok(PyList::new(obj.py(), items)?.into_any())
 }
 
+/// Item `i` of a sequence (`seq[i]`): an exact list's or tuple's read directly (no index int
+/// made, no Python code run), any other through the sequence protocol.
+#[inline]
+pub(crate) fn seq_item<'py>(seq: &Bound<'py, PyAny>, i: usize) -> PyResult<Bound<'py, PyAny>> {
+    if let Ok(list) = seq.downcast_exact::<PyList>() {
+        return list.get_item(i);
+    }
+    if let Ok(tuple) = seq.downcast_exact::<PyTuple>() {
+        return tuple.get_item(i);
+    }
+    seq.get_item(i)
+}
+
+/// `len(seq)`: an exact list's or tuple's read directly, any other through `len`.
+#[inline]
+pub(crate) fn seq_len(seq: &Bound<'_, PyAny>) -> PyResult<usize> {
+    if let Ok(list) = seq.downcast_exact::<PyList>() {
+        return Ok(list.len());
+    }
+    if let Ok(tuple) = seq.downcast_exact::<PyTuple>() {
+        return Ok(tuple.len());
+    }
+    seq.len()
+}
+
 /// Entry `i` of a hash sequence as a lookup key: `None` for bytes no block can be stored
 /// under (a miss, as `get_cached_block` answers).
 fn read_hash(hashes: &Bound<'_, PyAny>, i: usize) -> PyResult<Option<BlockHash>> {
