@@ -412,7 +412,8 @@ impl PlainClass {
             entries.as_ref(),
             self.tokens.bind(py),
             &DICT_HINTS.tokens,
-        )?;
+        )
+        .ok()??;
         if !tokens.is_exact_instance_of::<PyList>() {
             return None;
         }
@@ -474,7 +475,7 @@ fn dict_count(
     name: &Bound<'_, PyString>,
     hint: &AtomicU32,
 ) -> Option<(usize, usize)> {
-    let (value, slot) = dict_get(dict, entries, name, hint)?;
+    let (value, slot) = dict_get(dict, entries, name, hint).ok()??;
     Some((exact_int(&value)?.count_capped(COUNT_CAP)?, slot))
 }
 
@@ -502,7 +503,8 @@ fn decode(dict: &Bound<'_, PyDict>, entries: Option<&Entries>, prompt: bool) -> 
         entries,
         intern!(py, "request_id"),
         &DICT_HINTS.request_id,
-    )?;
+    )
+    .ok()??;
     let mut lines = [0; LINES];
     lines[..2].copy_from_slice(&[computed_slot, id_slot]);
     Some(Decoded {
@@ -571,22 +573,24 @@ pub(crate) struct PlainRequest<'py> {
 
 /// `dict[name]`, borrowed (no reference counted: valid until Python code runs, which could
 /// replace it), and the address of its value's slot when read by entry index (0 otherwise):
-/// by the entry `hint` names when the dict's `entries` were read and it is `name`'s, else by
-/// hash lookup (which then refreshes `hint`). `None` when the dict has no such key.
+/// by the entry `hint` names when the dict's `entries` (its table, read with no Python code
+/// run since) were read and it is `name`'s, else by hash lookup (which then refreshes `hint`).
+/// `Ok(None)` when the dict has no such key; the error of a failed lookup (a key of another
+/// type whose `__eq__` raised, in a dict without a table).
 #[inline(always)]
 fn dict_get<'a, 'py>(
     dict: &'a Bound<'py, PyDict>,
     entries: Option<&Entries>,
     name: &Bound<'py, PyString>,
     hint: &AtomicU32,
-) -> Option<(Borrowed<'a, 'py, PyAny>, usize)> {
+) -> PyResult<Option<(Borrowed<'a, 'py, PyAny>, usize)>> {
     if let Some(e) = entries {
         #[allow(unsafe_code)]
         // SAFETY: `entries` is `dict`'s table, read with no Python code run since (the
         // caller's contract), and `dict` lives as long as `'a`: the value is borrowed from it.
         unsafe {
             if let Some((value, slot)) = e.get(name.as_ptr(), hint.load(Ordering::Relaxed)) {
-                return Some((Borrowed::from_ptr(dict.py(), value), slot));
+                return Ok(Some((Borrowed::from_ptr(dict.py(), value), slot)));
             }
         }
     }
@@ -601,27 +605,26 @@ fn dict_lookup<'a, 'py>(
     entries: Option<&Entries>,
     name: &Bound<'py, PyString>,
     hint: &AtomicU32,
-) -> Option<(Borrowed<'a, 'py, PyAny>, usize)> {
+) -> PyResult<Option<(Borrowed<'a, 'py, PyAny>, usize)>> {
     let py = dict.py();
     #[allow(unsafe_code)]
     // SAFETY: the GIL is held (`py`); `dict` is a live exact dict and `name` an exact str;
     // `entries` is that dict's table, read with no Python code run since: a lookup in a dict
     // of str keys (the only kind with a table) compares strs and runs none either. The lookup
-    // returns a reference borrowed from the dict, which lives as long as `'a`, or nothing. A
-    // failed lookup (a key of another type whose `__eq__` raised) has its error taken off the
-    // thread, so that the caller's general path reports its own.
+    // returns a reference borrowed from the dict, which lives as long as `'a`, or NULL, with
+    // the error set when it failed (taken off the thread into the result).
     unsafe {
         let item = pyo3::ffi::PyDict_GetItemWithError(dict.as_ptr(), name.as_ptr());
         if item.is_null() {
-            if !pyo3::ffi::PyErr_Occurred().is_null() {
-                drop(PyErr::take(py));
-            }
-            return None;
+            return match PyErr::take(py) {
+                Some(e) => Err(e),
+                None => Ok(None),
+            };
         }
         if let Some(ix) = entries.and_then(|e| e.find(name.as_ptr())) {
             hint.store(ix, Ordering::Relaxed);
         }
-        Some((Borrowed::from_ptr(py, item), 0))
+        Ok(Some((Borrowed::from_ptr(py, item), 0)))
     }
 }
 
@@ -638,9 +641,9 @@ impl<'py> PlainRequest<'py> {
             .flatten()
     }
 
-    /// `f` of the attribute `name` (`None` when the request has none), read at the entry
-    /// `hint` names in `entries` (this dict's table, [`Self::entries`], read with no Python code
-    /// run since) when that is `name`'s, else by [`Self::lookup`].
+    /// `f` of the attribute `name` (`None` when the request has none), read by [`dict_get`]
+    /// with `entries`, this dict's table ([`Self::entries`], read with no Python code run
+    /// since).
     #[inline(always)]
     fn peek<R>(
         &self,
@@ -649,20 +652,10 @@ impl<'py> PlainRequest<'py> {
         hint: &AtomicU32,
         f: impl FnOnce(Option<&Bound<'py, PyAny>>) -> R,
     ) -> PyResult<R> {
-        if let Some(e) = entries {
-            #[allow(unsafe_code)]
-            // SAFETY: the caller's contract on `entries`; the value is borrowed from the held
-            // dict for `f`, which runs no Python code through it that could drop it (`f` is
-            // given a reference only for the call).
-            if let Some((value, _)) = unsafe { e.get(name.as_ptr(), hint.load(Ordering::Relaxed)) }
-            {
-                #[allow(unsafe_code)]
-                // SAFETY: `value` is a live object the dict holds.
-                let value = unsafe { Borrowed::from_ptr(self.dict.py(), value) };
-                return Ok(f(Some(&value)));
-            }
-        }
-        Ok(f(self.lookup(name, hint)?.as_ref()))
+        // The value is borrowed from the held dict for `f`, which is given a reference only
+        // for the call.
+        let value = dict_get(&self.dict, entries, name, hint)?;
+        Ok(f(value.as_ref().map(|(v, _)| &**v)))
     }
 
     /// The attribute `name` from the dict, or `None` when it has none ([`Self::peek`], the
@@ -673,30 +666,6 @@ impl<'py> PlainRequest<'py> {
         hint: &AtomicU32,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         self.peek(self.entries().as_ref(), name, hint, |v| v.cloned())
-    }
-
-    /// The attribute `name` by hash lookup, `None` when the request has none; refreshes `hint`
-    /// when found.
-    #[cold]
-    #[inline(never)]
-    fn lookup(
-        &self,
-        name: &Bound<'py, PyString>,
-        hint: &AtomicU32,
-    ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let value = self.dict.get_item(name)?;
-        if value.is_some() {
-            #[allow(unsafe_code)]
-            // SAFETY: the table is read again (the lookup may have run Python code) and used
-            // at once.
-            if let Some(ix) = self
-                .entries()
-                .and_then(|e| unsafe { e.find(name.as_ptr()) })
-            {
-                hint.store(ix, Ordering::Relaxed);
-            }
-        }
-        Ok(value)
     }
 
     /// The attribute `name`, from the dict: `AttributeError` when the request has none.
