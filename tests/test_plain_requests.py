@@ -479,6 +479,65 @@ def test_a_plain_request_whose_dict_changes_layout_reads_as_by_attribute(
     assert any(isinstance(x, tuple) and x and x[0] == "raised" for x in plain)
 
 
+class Clash:
+    """A dict key with a field name's hash whose comparison raises once armed."""
+
+    def __init__(self, name: str) -> None:
+        self.h = hash(name)
+        self.armed = False
+
+    def __hash__(self) -> int:
+        return self.h
+
+    def __eq__(self, other: object) -> bool:
+        if self.armed:
+            raise RuntimeError("comparison refused")
+        return False
+
+
+@pytest.mark.parametrize(
+    "field", ["num_computed_tokens", "request_id", "_all_token_ids", "block_hashes", "cache_salt"]
+)
+def test_a_dict_key_whose_comparison_raises_reads_as_by_attribute(field: str) -> None:
+    """An instance dict with a non-str key (no table to read by index) met before a field's own
+    entry: a call that reads the field raises what an attribute read raises, changing
+    nothing (the hash list and the event fields are read, as by the reference, only by a
+    call that caches a block); once the key is gone the request is served again."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def scenario(cls: type[PlainRequest]) -> list[Any]:
+        mgr = events_manager(False)
+        req: Any = cls("c", [1, 2, 3, 4, 5, 6, 7], hasher)
+        log: list[Any] = [outcome(mgr.allocate_slots, req, req.num_tokens)]
+        req.num_computed_tokens = req.num_tokens
+        req.status = RUNNING
+        clash = Clash(field)
+        value = req.__dict__.pop(field)
+        req.__dict__[clash] = 0
+        req.__dict__[field] = value  # probed after the clashing key
+        clash.armed = True
+        log.append(outcome(mgr.allocate_slots, req, 1))  # fills no block
+        clash.armed = False
+        req.append(8)  # the call below caches the second block
+        clash.armed = True
+        for _ in range(2):
+            log.append(outcome(mgr.allocate_slots, req, 1))
+            log.append(mgr.take_events())
+            log.append(mgr.usage)
+        del req.__dict__[clash]
+        log.append(outcome(mgr.allocate_slots, req, 1))
+        log.append(mgr.take_events())
+        mgr.check_invariants()
+        return as_plain(log, DuckRequest, PlainRequest)
+
+    plain = scenario(PlainRequest)
+    assert plain == scenario(DuckRequest)
+    raised = [x[:2] == ("raised", RuntimeError) for x in plain if isinstance(x, tuple)]
+    every_call = field in ("num_computed_tokens", "request_id", "_all_token_ids")
+    assert raised == [False, every_call, True, True, False]
+
+
 def test_plain_request_hints_stay_bounded() -> None:
     """Entries whose request is gone without its own id str being freed (freed under an equal
     str) are swept as the map grows: the map stays within a small multiple of the live ones."""

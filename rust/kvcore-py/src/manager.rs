@@ -584,27 +584,37 @@ impl Inner {
         // core asks for them while the tables are held, when no Python code may run. A plain
         // request whose dict says, without running Python code, that its events need only its
         // tokens hands over its token list without the question.
+        let may_cache: std::cell::OnceCell<bool> = std::cell::OnceCell::new();
+        let may_cache_a_block = || -> PyResult<bool> {
+            if let Some(&b) = may_cache.get() {
+                return Ok(b);
+            }
+            let b = self.may_cache_a_block(py, &view, &args)?;
+            Ok(*may_cache.get_or_init(|| b))
+        };
         let source =
             if !(self.events && self.caching && !args.delay_cache_blocks && request_core.is_none())
             {
                 MetaSource::Request(request)
             } else if let Some(tokens) = fields.quiet_tokens_only() {
                 MetaSource::Tokens(tokens)
-            } else if self.may_cache_a_block(py, &view, &args)? {
+            } else if may_cache_a_block()? {
                 Inner::meta_source(&fields)?
             } else {
                 MetaSource::Request(request)
             };
         let mut meta =
             |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> { Ok(source.meta(req)?) };
-        // A duck-typed request's hash list is read now; only its entries are read while the
-        // tables are held (indexing a list runs no Python code). A plain request's is read
-        // from its dict when the core asks for it (most decode steps fill no block and never
-        // do), which runs no Python code either.
+        // A duck-typed request's hash list is read now when the call may cache a block (as
+        // the reference reads it only then); only its entries are read while the tables are
+        // held (indexing a list runs no Python code). A plain request's is read from its dict
+        // when the core asks for it (most decode steps fill no block and never do), which runs
+        // no Python code either.
         if matches!(fields, Fields::Attrs(_))
             && request_core.is_none()
             && self.caching
             && !args.delay_cache_blocks
+            && may_cache_a_block()?
         {
             fetch()?;
         }
