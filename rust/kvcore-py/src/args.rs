@@ -162,8 +162,10 @@ pub(crate) fn probe_ints(py: Python<'_>) -> PyResult<()> {
     // A list's item array, read where 3.11 keeps it, holds the items `PyList_GetItem` returns.
     let list = PyList::new(py, values)?;
     #[allow(unsafe_code)]
-    // SAFETY: the version is 3.11 and `list` a live list of `values.len()` items; each pointer
-    // read is compared, not used, unless the array is trusted below.
+    // SAFETY: the version is 3.11, whose variable-size object header was just checked on ints
+    // (`ob_size` where the direct read takes it): the word after it in a list is its item
+    // array (`PyListObject` has no build variant in 3.11), here of `values.len()` items, read
+    // only to be compared with what `PyList_GetItem` returns.
     let same = unsafe {
         let items = list_items_311(list.as_ptr());
         (0..values.len()).all(|i| {
