@@ -24,7 +24,7 @@ failure. Skipped when the reference is not installed.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import hypothesis.strategies as st
@@ -62,6 +62,49 @@ needs_reference = pytest.mark.skipif(
 )
 
 EXAMPLES = int(os.environ.get("KVCORE_FUZZ_EXAMPLES", "500"))
+
+# Headroom over the process's data size (heap and private mappings) while a fuzz test runs.
+MEMORY_HEADROOM = 4 << 30
+
+
+def _data_size() -> int | None:
+    """The process's data size in bytes (`VmData`, what `RLIMIT_DATA` bounds), if known."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@pytest.fixture(autouse=True)
+def bounded_memory() -> Iterator[None]:
+    """Bounds the process's data size while a fuzz test runs, so that a drawn example that
+    makes either side allocate without bound fails as that example (`MemoryError`, which
+    hypothesis reports with the example; a Rust allocation aborts with its size) instead of
+    growing the test process until the machine kills it (seen twice in local runs with
+    random examples, not reproduced since)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    size = _data_size()
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if size is None:
+        yield
+        return
+    limit = size + MEMORY_HEADROOM
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
 
 # Under CI the examples are derived from each test's name (the same every run), so that a
 # CI run is reproducible; elsewhere each run draws new ones. Two local full-suite runs (of
