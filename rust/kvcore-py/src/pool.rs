@@ -300,7 +300,7 @@ pub(crate) fn seq_len(seq: &Bound<'_, PyAny>) -> PyResult<usize> {
 /// Entry `i` of a hash sequence as a lookup key: `None` for bytes no block can be stored
 /// under (a miss, as `get_cached_block` answers).
 fn read_hash(hashes: &Bound<'_, PyAny>, i: usize) -> PyResult<Option<BlockHash>> {
-    let item = hashes.get_item(i)?;
+    let item = seq_item(hashes, i)?;
     let b = item
         .downcast::<PyBytes>()
         .map_err(|_| type_error("block_hash", "bytes", &item))?;

@@ -43,9 +43,7 @@ impl<T> GilCell<T> {
             owner: Cell::new(0),
         }
     }
-}
 
-impl<T> GilCell<T> {
     /// The value when no call holds it, else `None`, recording no owner: only for a cell that
     /// is never taken another way ([`lock_cell`] could not tell a re-entrant call on such a
     /// cell from another thread's).
