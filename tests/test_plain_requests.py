@@ -1,6 +1,6 @@
 """Requests of a registered *plain* class are read from their instance dict.
 
-``KVCacheManager._plain_request_class`` names a class whose fields the core reads from the
+``KVCacheManager._plain_request_classes`` names a class whose fields the core reads from the
 instance dict (``kvcore.vllm`` names vLLM's ``Request``). These tests run the same workload
 through a manager that reads a plain class that way and one that reads a subclass of it (which
 the core reads by attribute lookup, since only the exact class is plain): every result, every
@@ -64,7 +64,9 @@ class DuckRequest(PlainRequest):
 
 
 class PlainManager(KVCacheManager):
-    _plain_request_class: ClassVar[tuple[type, str] | None] = (PlainRequest, "_all_token_ids")
+    _plain_request_classes: ClassVar[tuple[tuple[type, str], ...]] = (
+        (PlainRequest, "_all_token_ids"),
+    )
 
 
 class WidePlainRequest(PlainRequest):
@@ -82,7 +84,56 @@ class WideDuckRequest(WidePlainRequest):
 
 
 class WidePlainManager(KVCacheManager):
-    _plain_request_class: ClassVar[tuple[type, str] | None] = (WidePlainRequest, "_all_token_ids")
+    _plain_request_classes: ClassVar[tuple[tuple[type, str], ...]] = (
+        (WidePlainRequest, "_all_token_ids"),
+    )
+
+
+class SlottedPlainRequest(PlainRequest):
+    """The request with its decode fields in slots of its own (as ``kvcore.vllm.Request``)."""
+
+    __slots__ = (
+        "_all_token_ids",
+        "_kvcore_state",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "request_id",
+    )
+
+
+class SlottedDuckRequest(SlottedPlainRequest):
+    """The slotted request, read by attribute lookup."""
+
+
+class SlottedPlainManager(KVCacheManager):
+    _plain_request_classes: ClassVar[tuple[tuple[type, str], ...]] = (
+        (SlottedPlainRequest, "_all_token_ids"),
+    )
+
+
+class HalfSlottedPlainRequest(PlainRequest):
+    """Two decode fields in slots, the other two in the dict."""
+
+    __slots__ = ("_all_token_ids", "num_computed_tokens")
+
+
+class HalfSlottedDuckRequest(HalfSlottedPlainRequest):
+    """The half-slotted request, read by attribute lookup."""
+
+
+class HalfSlottedPlainManager(KVCacheManager):
+    _plain_request_classes: ClassVar[tuple[tuple[type, str], ...]] = (
+        (HalfSlottedPlainRequest, "_all_token_ids"),
+    )
+
+
+LAYOUTS: dict[str, tuple[type[PlainRequest], type[PlainRequest], type[KVCacheManager]]] = {
+    "shared-keys": (PlainRequest, DuckRequest, PlainManager),
+    "own-keys": (WidePlainRequest, WideDuckRequest, WidePlainManager),
+    "slots": (SlottedPlainRequest, SlottedDuckRequest, SlottedPlainManager),
+    "some-slots": (HalfSlottedPlainRequest, HalfSlottedDuckRequest, HalfSlottedPlainManager),
+}
+"""Plain request layouts: the plain class, a subclass read by attribute lookup, a manager."""
 
 
 def config(hybrid: bool) -> KVCacheConfig:
@@ -204,16 +255,14 @@ def play(mgr: KVCacheManager, cls: type[PlainRequest], seed: int) -> list[Any]:
     return log
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["shared-keys", "own-keys"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_plain_request_reads_as_by_attribute(wide: bool, hybrid: bool, seed: int) -> None:
-    plain_cls, duck_cls = (
-        (WidePlainRequest, WideDuckRequest) if wide else (PlainRequest, DuckRequest)
-    )
+def test_a_plain_request_reads_as_by_attribute(layout: str, hybrid: bool, seed: int) -> None:
+    plain_cls, duck_cls, manager_cls = LAYOUTS[layout]
 
     def manager() -> KVCacheManager:
-        return events_manager(hybrid, WidePlainManager if wide else PlainManager)
+        return events_manager(hybrid, manager_cls)
 
     init_none_hash(sha256)
     plain = play(manager(), plain_cls, seed)
@@ -229,7 +278,7 @@ def test_the_plain_reader_is_the_one_used() -> None:
         pass
 
     class LyingManager(KVCacheManager):
-        _plain_request_class = (Lying, "_all_token_ids")
+        _plain_request_classes = ((Lying, "_all_token_ids"),)
 
     Lying.num_tokens = property(lambda self: 10**6)  # type: ignore[assignment]
     mgr = LyingManager(
@@ -286,7 +335,7 @@ class TokensOnClass:
 )
 def test_a_class_that_is_not_plain_is_refused(cls: type, message: str) -> None:
     class Manager(KVCacheManager):
-        _plain_request_class = (cls, "_all_token_ids")
+        _plain_request_classes = ((cls, "_all_token_ids"),)
 
     with pytest.raises(InvalidArgumentError, match=message):
         Manager(config(False), max_model_len=64, scheduler_block_size=BLOCK, hash_block_size=BLOCK)

@@ -21,7 +21,7 @@ import vllm_harness as h
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 import kvcore.vllm
 from kvcore.errors import InvalidConfigError
@@ -99,7 +99,14 @@ def test_scheduler_outputs_identical(case: str) -> None:
         ref_cls, kv_cls = VllmScheduler, kvcore.vllm.Scheduler
     ref_probe, our_probe = Probe(), Probe()
     ref = h.run(ref_cls, setup, workload, on_step=ref_probe)
+    # kvcore's scheduler with the requests its engine builds (kvcore.vllm.Request, read from
+    # its slots), and with vLLM's own (read from their instance dicts).
     ours = h.run(kv_cls, setup, workload, on_step=our_probe)
+    plain_probe = Probe()
+    plain = h.run(kv_cls, setup, workload, on_step=plain_probe, request_cls=Request)
+    for name in ("steps", "outputs", "events", "stats", "metrics"):
+        assert getattr(plain, name) == getattr(ours, name), f"{case}: {name} differ"
+    assert vars(plain_probe) == vars(our_probe)
     assert ours.steps == ref.steps
     for step, (a, b) in enumerate(zip(ref.outputs, ours.outputs, strict=True)):
         assert b == a, f"{case}: SchedulerOutput differs at step {step}"
@@ -234,7 +241,7 @@ def test_vllm_request_is_read_as_a_plain_class() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    assert kvcore.vllm.KVCacheManager._plain_request_class == (Request, "_all_token_ids")
+    assert (Request, "_all_token_ids") in kvcore.vllm.KVCacheManager._plain_request_classes
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), None)
     req.append_output_token_ids([4, 5])
     assert req.num_tokens == len(req._all_token_ids) == 5

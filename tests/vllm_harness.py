@@ -272,8 +272,12 @@ def run(
     w: Workload,
     max_steps: int = 3000,
     on_step: Callable[[Any, int], None] | None = None,
+    request_cls: type | None = None,
 ) -> Trace:
-    """Runs the workload through a scheduler of ``scheduler_cls`` to completion."""
+    """Runs the workload through a scheduler of ``scheduler_cls`` to completion, its requests
+    of ``request_cls``: by default what the engine builds with that scheduler (kvcore's
+    scheduler: ``kvcore.vllm.Request``, as its engine plugin arranges; vLLM's: vLLM's
+    ``Request``)."""
     cfg = vllm_config(s)
     random.seed(w.seed)  # vLLM's metrics collector samples blocks with the global generator
     # A fixed seed makes NONE_HASH, and so every block hash, the same in both runs.
@@ -282,11 +286,14 @@ def run(
     # kvcore's scheduler runs with kvcore's native hasher for vLLM requests, as its engine
     # plugin arranges; vLLM's with vLLM's.
     if scheduler_cls.__module__.startswith("kvcore."):
+        from kvcore.vllm import Request as KvcoreVllmRequest
         from kvcore.vllm import get_request_block_hasher as kvcore_hasher
 
         hasher = kvcore_hasher(s.block_size, sha256)
+        request_cls = request_cls or KvcoreVllmRequest
     else:
         hasher = get_request_block_hasher(s.block_size, sha256)
+    make_request = request_cls or Request
     sched = scheduler_cls(
         vllm_config=cfg,
         kv_cache_config=kv_cache_config(s),
@@ -335,7 +342,7 @@ def run(
         while pending and pending[0][0] <= step:
             _, rid, prompt, max_tokens = pending.pop(0)
             sched.add_request(
-                Request(
+                make_request(
                     rid,
                     prompt,
                     SamplingParams(max_tokens=max_tokens, ignore_eos=True),

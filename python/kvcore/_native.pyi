@@ -278,7 +278,7 @@ class KVCacheManagerCore:
         clip: Sequence[bool],
         blocks_cls: type[KVCacheBlocks],
         empty: KVCacheBlocks,
-        plain_request: tuple[type, str] | None = None,
+        plain_requests: list[tuple[type, str]] = ...,
         event_classes: tuple[type, type, type] | None = None,
     ) -> None: ...
     def _computed_blocks(self, request: _ManagedRequest) -> tuple[KVCacheBlocks, int]: ...

@@ -135,10 +135,11 @@ class KVCacheManager(KVCacheManagerCore):
         empty_kv_cache_blocks: The shared empty result (MGR-3).
     """
 
-    _plain_request_class: ClassVar[tuple[type, str] | None] = None
-    """A request class the core reads from the instance dict instead of by attribute lookup,
-    with the list attribute whose length is ``num_tokens``; ``kvcore.vllm`` names vLLM's
-    ``Request``. The core refuses a class with a descriptor or lookup hook in the way."""
+    _plain_request_classes: ClassVar[tuple[tuple[type, str], ...]] = ()
+    """Request classes the core reads from their instance dicts (and ``__slots__`` of their
+    own for the decode fields) instead of by attribute lookup, each with the list attribute
+    whose length is ``num_tokens``; ``kvcore.vllm`` names vLLM's ``Request`` and its own
+    slotted subclass. The core refuses a class with a descriptor or lookup hook in the way."""
 
     _stats_class: ClassVar[type[PrefixCacheStats]] = PrefixCacheStats
     """The class of :attr:`prefix_cache_stats`: fields and ``record`` as
@@ -269,7 +270,7 @@ class KVCacheManager(KVCacheManagerCore):
             cfg.clip,
             KVCacheBlocks,
             self.empty_kv_cache_blocks,
-            self._plain_request_class,
+            list(self._plain_request_classes),
             self._event_classes,
         )
         self.coordinator.bind(self)

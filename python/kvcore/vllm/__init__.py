@@ -10,11 +10,13 @@ kvcore never does.
 from kvcore.vllm._convert import convert_kv_cache_config, convert_spec
 from kvcore.vllm.hashing import get_request_block_hasher
 from kvcore.vllm.manager import KVCacheManager
+from kvcore.vllm.request import Request
 from kvcore.vllm.scheduler import AsyncScheduler, Scheduler
 
 __all__ = [
     "AsyncScheduler",
     "KVCacheManager",
+    "Request",
     "Scheduler",
     "convert_kv_cache_config",
     "convert_spec",

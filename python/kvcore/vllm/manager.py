@@ -26,6 +26,7 @@ from kvcore.vllm._convert import (
     convert_kv_cache_config,
     feed_metrics,
 )
+from kvcore.vllm.request import Request
 
 
 def vllm_coordinator(coordinator: Any) -> Any:
@@ -132,9 +133,11 @@ class KVCacheManager(_KVCacheManager):
     _event_classes = (VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared)
     """Events are built as vLLM's ``vllm.distributed.kv_events`` structs (same fields)."""
 
-    _plain_request_class = (VllmRequest, "_all_token_ids")
+    _plain_request_classes = ((VllmRequest, "_all_token_ids"), (Request, "_all_token_ids"))
     """vLLM's ``Request`` keeps its fields as plain attributes and ``num_tokens`` is
-    ``len(self._all_token_ids)``: the core reads them from the instance dict."""
+    ``len(self._all_token_ids)``: the core reads them from the instance dict, and those of
+    :class:`kvcore.vllm.Request` (the engine's requests with kvcore's scheduler) from its
+    slots."""
 
     def __init__(
         self,

@@ -130,11 +130,39 @@ fn group_config(
     })
 }
 
-/// Where a duck-typed request's table key comes from: a plain request's kept entry (key and
-/// hints, held in place for the call), or any other request's `request_id` str.
+/// Where a duck-typed request's table key comes from: a plain request's kept key and hints,
+/// or any other request's `request_id` str.
 enum IdSource<'a, 'py> {
-    Plain(std::cell::RefMut<'a, crate::plain::PlainEntry>),
+    Plain(Kept<'a, 'py>),
     Str(Bound<'py, PyString>),
+}
+
+/// A plain request's kept table key and hints: its state slot's, or its entry in the hint map
+/// (held in place for the call).
+enum Kept<'a, 'py> {
+    State(Bound<'py, crate::plain::PlainState>),
+    Map(std::cell::RefMut<'a, crate::plain::PlainEntry>),
+}
+
+impl Kept<'_, '_> {
+    /// The table key and the hints of the first `n` groups (of those kept).
+    #[inline]
+    fn key_hints(&self, n: usize) -> (&str, &[HintCell]) {
+        let (key, hints) = match self {
+            Kept::State(s) => (&s.get().key, &s.get().hints),
+            Kept::Map(e) => (&e.key, &e.hints),
+        };
+        (key, &hints[..n.min(hints.len())])
+    }
+
+    /// Where the call notes its table slots for the pipeline of the hint map.
+    #[inline]
+    fn slot_cell(&self) -> Option<&std::cell::Cell<[usize; 2]>> {
+        match self {
+            Kept::State(_) => None,
+            Kept::Map(e) => Some(&e.slot_addr),
+        }
+    }
 }
 
 /// Per-group block ids copied out of the core in one buffer (a call allocates at most the id
@@ -233,8 +261,8 @@ struct Inner {
     noop_possible: bool,
     /// Per group, whether MGR-26 clips its block list.
     clip: Vec<bool>,
-    /// The request class read from its instance dict ([`crate::plain`]), if one is registered.
-    plain: Option<PlainClass>,
+    /// The request classes read from their slots and instance dicts ([`crate::plain`]).
+    plain: Vec<PlainClass>,
     /// Table keys and slot hints of that class's requests.
     plain_hints: PlainHints,
     /// The classes `take_events` builds the events as (`None`: kvcore's own).
@@ -255,7 +283,7 @@ enum Noop<'a, 'py> {
 /// A plain request's fields as [`Inner::answers_noop`] read them, its hint entry held.
 struct PlainRead<'a, 'py> {
     plain: crate::plain::PlainRequest<'py>,
-    entry: std::cell::RefMut<'a, crate::plain::PlainEntry>,
+    entry: Kept<'a, 'py>,
     num_computed_tokens: usize,
     /// 0 unless the configuration reads it (as [`Inner::num_prompt_tokens`]).
     num_prompt_tokens: usize,
@@ -282,10 +310,16 @@ impl MetaSource<'_, '_> {
 }
 
 impl Inner {
+    /// The registered plain class that is `request`'s exact class, if any.
+    #[inline(always)]
+    fn plain_class(&self, request: &Bound<'_, PyAny>) -> Option<&PlainClass> {
+        self.plain.iter().find(|p| p.is_class_of(request))
+    }
+
     /// A request's fields for attribute reads ([`Fields::of`]).
     #[inline]
     fn fields<'a, 'py>(&self, request: &'a Bound<'py, PyAny>) -> Fields<'a, 'py> {
-        Fields::of(self.plain.as_ref(), request, self.reads_prompt)
+        Fields::of(self.plain_class(request), request, self.reads_prompt)
     }
 
     /// The source of a duck-typed request's event fields, read now (before the tables are
@@ -497,12 +531,16 @@ impl Inner {
                         }
                         None => (id()?.as_ptr() as usize, [0; crate::plain::LINES]),
                     };
-                    match self.plain_hints.entry(py, addr, id)? {
-                        Some(entry) => {
-                            entry.lines.set(lines);
-                            IdSource::Plain(entry)
+                    if let Some(state) = p.kept_state()? {
+                        IdSource::Plain(Kept::State(state))
+                    } else {
+                        match self.plain_hints.entry(py, addr, id)? {
+                            Some(entry) => {
+                                entry.lines.set(lines);
+                                IdSource::Plain(Kept::Map(entry))
+                            }
+                            None => IdSource::Str(request_id_of(&id()?)?.clone()),
                         }
-                        None => IdSource::Str(request_id_of(&id()?)?.clone()),
                     }
                 } else {
                     IdSource::Str(fields.request_id()?)
@@ -523,12 +561,9 @@ impl Inner {
                     0
                 };
                 let (key, hints): (&str, &[HintCell]) = match &id_src {
-                    IdSource::Plain(entry) => {
-                        slot_cell = Some(&entry.slot_addr);
-                        (
-                            &entry.key,
-                            &entry.hints[..self.num_groups.min(entry.hints.len())],
-                        )
+                    IdSource::Plain(kept) => {
+                        slot_cell = kept.slot_cell();
+                        kept.key_hints(self.num_groups)
                     }
                     IdSource::Str(id) => {
                         id_key_obj = id_key(id)?;
@@ -669,7 +704,10 @@ impl Inner {
         // The request's fields, as the whole path reads them: a plain request's from its dict
         // and its entry in the hint map, a kvcore request's from its native base. Each kind in
         // a function of its own, so that a call runs the code of one.
-        if let Some(plain) = self.plain.as_ref().filter(|p| p.is_class_of(request)) {
+        if let Some(plain) = self.plain_class(request) {
+            if plain.has_state() {
+                return self.state_noop(py, plain, request, args, next);
+            }
             return self.plain_noop(py, plain, request, args, next);
         }
         match self.cast.borrow(request) {
@@ -696,29 +734,67 @@ impl Inner {
             return Noop::Unknown;
         };
         let Ok(Some(entry)) = self.plain_hints.entry(py, d.id_addr, || {
-            plain.to_owned().get(intern!(py, "request_id"))
+            plain
+                .to_owned()
+                .ok_or_else(|| invalid("a plain request's instance dict cannot be read"))?
+                .get(intern!(py, "request_id"))
         }) else {
             return Noop::Unknown;
         };
         entry.lines.set(d.lines);
+        let kept = Kept::Map(entry);
+        let (id, hints) = kept.key_hints(self.num_groups);
         let view = RequestView {
-            id: &entry.key,
+            id,
             num_computed_tokens: d.num_computed_tokens,
             num_tokens: plain.num_tokens(),
             num_prompt_tokens: d.num_prompt_tokens,
             waiting_or_preempted: false,
-            hints: &entry.hints[..self.num_groups.min(entry.hints.len())],
+            hints,
         };
-        if self.decide_noop(py, &view, Some(&entry.slot_addr), args, next) {
+        if self.decide_noop(py, &view, kept.slot_cell(), args, next) {
             return Noop::Yes;
         }
         // The whole path takes the fields as read here.
+        let Some(owned) = plain.to_owned() else {
+            return Noop::Unknown;
+        };
         Noop::No(Some(PlainRead {
-            plain: plain.to_owned(),
-            entry,
+            plain: owned,
+            entry: kept,
             num_computed_tokens: d.num_computed_tokens,
             num_prompt_tokens: d.num_prompt_tokens,
         }))
+    }
+
+    /// [`Self::answers_noop`] for a request of the plain class `class` that keeps its decode
+    /// fields and its [`crate::plain::PlainState`] in slots, read from them.
+    #[inline(never)]
+    fn state_noop<'py>(
+        &self,
+        py: Python<'py>,
+        class: &crate::plain::PlainClass,
+        request: &Bound<'py, PyAny>,
+        args: &AllocateArgs<'_>,
+        next: Option<(&Bound<'py, PyList>, usize)>,
+    ) -> Noop<'_, 'py> {
+        let Some(r) = class.read_state(request, self.reads_prompt) else {
+            return Noop::Unknown;
+        };
+        let state = r.state();
+        let view = RequestView {
+            id: &state.key,
+            num_computed_tokens: r.num_computed_tokens,
+            num_tokens: r.num_tokens,
+            num_prompt_tokens: r.num_prompt_tokens,
+            waiting_or_preempted: false,
+            hints: &state.hints[..self.num_groups.min(state.hints.len())],
+        };
+        if self.decide_noop(py, &view, None, args, next) {
+            Noop::Yes
+        } else {
+            Noop::No(None)
+        }
     }
 
     /// [`Self::answers_noop`] for a kvcore request, read from its native base `c`.
@@ -928,7 +1004,7 @@ impl PyManagerCore {
     /// Builds the coordinator (once). `groups`: per group `(kind, param, spec_block_size,
     /// record_new_block_ids, admission_cap)`; `attention_groups`: hybrid only, `(group_ids,
     /// use_eagle, is_full)` with the full-attention ones first.
-    #[pyo3(signature = (pool, mode, groups, eagle_groups, attention_groups, max_model_len, watermark_blocks, scheduler_block_size, retention_interval, dcp_world_size, pcp_world_size, clip, blocks_cls, empty, plain_request = None, event_classes = None))]
+    #[pyo3(signature = (pool, mode, groups, eagle_groups, attention_groups, max_model_len, watermark_blocks, scheduler_block_size, retention_interval, dcp_world_size, pcp_world_size, clip, blocks_cls, empty, plain_requests = Vec::new(), event_classes = None))]
     #[allow(clippy::too_many_arguments)]
     fn _init_core(
         &self,
@@ -947,7 +1023,7 @@ impl PyManagerCore {
         clip: Vec<bool>,
         blocks_cls: PyObject,
         empty: PyObject,
-        plain_request: Option<(Bound<'_, PyType>, Bound<'_, PyString>)>,
+        plain_requests: Vec<(Bound<'_, PyType>, Bound<'_, PyString>)>,
         event_classes: Option<[PyObject; 3]>,
     ) -> PyResult<()> {
         if self.inner.get().is_some() {
@@ -1011,9 +1087,10 @@ impl PyManagerCore {
         };
         let core = Coordinator::new(held.core_mut(), cfg).map_err(to_pyerr)?;
         drop(held);
-        let plain = plain_request
-            .map(|(cls, tokens)| PlainClass::new(&cls, &tokens))
-            .transpose()?;
+        let plain = plain_requests
+            .iter()
+            .map(|(cls, tokens)| PlainClass::new(cls, tokens))
+            .collect::<PyResult<Vec<_>>>()?;
         let reads_prompt = core.reads_prompt_len();
         let noop_possible = core.noop_possible();
         let num_groups = core.num_groups();

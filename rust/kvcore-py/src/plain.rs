@@ -57,6 +57,137 @@ pub(crate) struct PlainClass {
     /// Whether an instance's made dict is read where CPython 3.11 keeps a managed dict
     /// ([`managed_dict`]): `hinted` and the class has one.
     managed: bool,
+    /// The decode fields the class keeps in `__slots__`.
+    slots: Slots,
+    /// `PlainState`'s type object, compared with the state slot's value's type.
+    state_type: Py<PyType>,
+}
+
+/// A decode call's fields of a request whose class keeps them all in slots, with its state
+/// ([`PlainClass::read_state`]), borrowed from the request: valid while no Python code runs.
+pub(crate) struct StateRead<'a, 'py> {
+    /// A `PlainState`.
+    state: Borrowed<'a, 'py, PyAny>,
+    pub(crate) num_tokens: usize,
+    pub(crate) num_computed_tokens: usize,
+    /// 0 unless asked for.
+    pub(crate) num_prompt_tokens: usize,
+}
+
+impl StateRead<'_, '_> {
+    /// The request's state.
+    #[inline(always)]
+    pub(crate) fn state(&self) -> &PlainState {
+        #[allow(unsafe_code)]
+        // SAFETY: `read_state` compared its type with `PlainState`'s.
+        unsafe { self.state.downcast_unchecked::<PlainState>() }.get()
+    }
+}
+
+/// Where a plain class keeps decode fields in `__slots__` (its own or a base's): each field's
+/// byte offset in the instance, 0 for a field kept in the instance dict.
+///
+/// A slot is a pointer at a fixed offset in the object, so a request of such a class is read
+/// without its dict: when all of a decode call's fields are slots ([`Slots::decode`]), the
+/// call reads the object and the field values, and nothing else. `kvcore.vllm.Request` keeps
+/// its four decode fields there.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Slots {
+    request_id: usize,
+    num_computed_tokens: usize,
+    num_prompt_tokens: usize,
+    tokens: usize,
+    /// The address of the class's token attribute name (compared only; the class holds it).
+    tokens_name: usize,
+    /// The `_kvcore_state` slot, where the manager keeps a request's [`PlainState`].
+    state: usize,
+}
+
+impl Slots {
+    /// Whether a decode call's fields are all slots (the prompt length only when `prompt`).
+    #[inline]
+    fn decode(&self, prompt: bool) -> bool {
+        self.request_id != 0
+            && self.num_computed_tokens != 0
+            && self.tokens != 0
+            && (!prompt || self.num_prompt_tokens != 0)
+    }
+
+    /// The slot offset of the attribute `name` (interned: compared by address), 0 when it is
+    /// not a slot.
+    #[inline]
+    fn offset(&self, name: &Bound<'_, PyString>) -> usize {
+        let py = name.py();
+        let n = name.as_ptr();
+        if n == intern!(py, "request_id").as_ptr() {
+            self.request_id
+        } else if n == intern!(py, "num_computed_tokens").as_ptr() {
+            self.num_computed_tokens
+        } else if n == intern!(py, "num_prompt_tokens").as_ptr() {
+            self.num_prompt_tokens
+        } else if n as usize == self.tokens_name {
+            self.tokens
+        } else {
+            0
+        }
+    }
+
+    /// The offset `field` of `cls`'s instances, whose `slot` (the member descriptor a class in
+    /// its MRO made for one of its `__slots__`) keeps it: found by setting the slot of a bare instance to
+    /// a new object and looking for that object's address among the instance's words. One
+    /// word exactly must hold it.
+    fn probe(cls: &Bound<'_, PyType>, field: &str, slot: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let py = cls.py();
+        let size: usize = cls.getattr(intern!(py, "__basicsize__"))?.extract()?;
+        let object = py.get_type::<pyo3::types::PyAny>();
+        let bare = object.call_method1(intern!(py, "__new__"), (cls,))?;
+        let marker = PyList::empty(py);
+        slot.call_method1(intern!(py, "__set__"), (&bare, &marker))?;
+        let word = std::mem::size_of::<usize>();
+        let header = std::mem::size_of::<pyo3::ffi::PyObject>();
+        let found: Vec<usize> = (header / word..size / word)
+            .map(|i| i * word)
+            .filter(|&off| {
+                #[allow(unsafe_code)]
+                // SAFETY: `bare` is a live instance of `cls`, allocated with at least
+                // `__basicsize__` bytes, pointer-aligned; `off + word` is within them.
+                unsafe {
+                    *bare.as_ptr().cast::<u8>().add(off).cast::<usize>() == marker.as_ptr() as usize
+                }
+            })
+            .collect();
+        slot.call_method1(intern!(py, "__delete__"), (&bare,))?;
+        match found[..] {
+            [off] => Ok(off),
+            _ => Err(invalid(format!(
+                "{}'s slot {field} is not one word of its instances",
+                cls.qualname()?
+            ))),
+        }
+    }
+
+    /// The value in the slot at `offset` of `obj`, borrowed; `None` while it is unset.
+    ///
+    /// # Safety
+    /// `offset` is a slot offset of `obj`'s exact class ([`Slots::probe`]), nonzero, and the
+    /// GIL is held. The value is borrowed from `obj`, which keeps it until Python code runs.
+    #[allow(unsafe_code)]
+    #[inline(always)]
+    unsafe fn get<'a, 'py>(
+        obj: &'a Bound<'py, PyAny>,
+        offset: usize,
+    ) -> Option<Borrowed<'a, 'py, PyAny>> {
+        // SAFETY: an object slot is a pointer-aligned `PyObject *` within the object, null
+        // while unset, else a strong reference the object holds.
+        unsafe {
+            let value = *obj
+                .as_ptr()
+                .cast::<u8>()
+                .add(offset)
+                .cast::<*mut pyo3::ffi::PyObject>();
+            (!value.is_null()).then(|| Borrowed::from_ptr(obj.py(), value))
+        }
+    }
 }
 
 /// Where a decode call's fields sit in a plain request's instance dict, read as CPython 3.11's
@@ -332,14 +463,46 @@ impl PlainClass {
         {
             return Err(invalid(format!("{name} customises attribute lookup")));
         }
+        let member = py
+            .import("types")?
+            .getattr(intern!(py, "MemberDescriptorType"))?;
+        let mut slots = Slots {
+            tokens_name: tokens.as_ptr() as usize,
+            ..Slots::default()
+        };
         for klass in cls.getattr(intern!(py, "__mro__"))?.try_iter()? {
-            let vars = klass?.getattr(intern!(py, "__dict__"))?;
+            let klass = klass?;
+            let vars = klass.getattr(intern!(py, "__dict__"))?;
             for field in field_names(py).into_iter().chain([tokens]) {
-                if vars.contains(field)? {
-                    return Err(invalid(format!(
-                        "{name}'s class defines {field}: it is not a plain instance attribute"
-                    )));
+                let Some(found) = vars.get_item(field).ok() else {
+                    continue;
+                };
+                // A decode field may be a slot (the nearest in the MRO is the one read).
+                let at = match field.to_str()? {
+                    "request_id" => Some(&mut slots.request_id),
+                    "num_computed_tokens" => Some(&mut slots.num_computed_tokens),
+                    "num_prompt_tokens" => Some(&mut slots.num_prompt_tokens),
+                    _ if field.is(tokens) => Some(&mut slots.tokens),
+                    _ => None,
+                };
+                match at {
+                    Some(at) if found.get_type().is(&member) => {
+                        if *at == 0 {
+                            *at = Slots::probe(cls, field.to_str()?, &found)?;
+                        }
+                    }
+                    _ => {
+                        return Err(invalid(format!(
+                            "{name}'s class defines {field}: it is not a plain instance attribute"
+                        )))
+                    }
                 }
+            }
+        }
+        let state = intern!(py, "_kvcore_state");
+        if let Ok(found) = cls.getattr(state) {
+            if found.get_type().is(&member) {
+                slots.state = Slots::probe(cls, "_kvcore_state", &found)?;
             }
         }
         let hinted = dicts_are_311(py);
@@ -348,7 +511,15 @@ impl PlainClass {
             tokens: tokens.clone().unbind(),
             hinted,
             managed: hinted && has_managed_dict(cls),
+            slots,
+            state_type: py.get_type::<PlainState>().unbind(),
         })
+    }
+
+    /// Whether the class has a `_kvcore_state` slot ([`PlainState`]).
+    #[inline]
+    pub(crate) fn has_state(&self) -> bool {
+        self.slots.state != 0
     }
 
     /// Whether `request`'s class is exactly this one.
@@ -357,47 +528,24 @@ impl PlainClass {
         std::ptr::eq(request.get_type_ptr(), self.cls.as_ptr().cast())
     }
 
-    /// `request`'s fields: from its dict when its class is exactly this one and the instance
-    /// fits, else `None`. With them, what a decode call reads ([`Decoded`]; the prompt length
-    /// only when `prompt`), read at the dict's entries in one pass. Borrowed: no Python code
-    /// may run while the view is used ([`PlainView::to_owned`] for longer).
+    /// `request`'s fields: from its slots and dict when its class is exactly this one and the
+    /// instance fits, else `None`. With them, what a decode call reads ([`Decoded`]; the
+    /// prompt length only when `prompt`), read from the slots ([`Slots`]) when they hold them
+    /// all, else at the dict's entries in one pass. Borrowed: no Python code may run while the
+    /// view is used ([`PlainView::to_owned`] for longer).
     #[inline(always)]
     pub(crate) fn read<'a, 'py>(
-        &self,
+        &'a self,
         request: &'a Bound<'py, PyAny>,
         prompt: bool,
     ) -> Option<PlainView<'a, 'py>> {
         if !self.is_class_of(request) {
             return None;
         }
-        let py = request.py();
-        #[allow(unsafe_code)]
-        // SAFETY: `request` is a live object and the GIL is held (`py`). Where the class has a
-        // managed dict on 3.11 (`managed`, checked on a probe), the made dict is read where
-        // CPython keeps it. Otherwise (or before it is made) the class has a `__dict__` slot
-        // (checked at registration), so `PyObject_GenericGetDict` returns a new reference to
-        // the instance dict, made and stored in the instance when it had none, or NULL with an
-        // exception set (then taken off the thread: the caller's general path reports its own).
-        // Either way the instance holds a reference to its dict, which it keeps until Python
-        // code replaces it: the dict is borrowed from the instance, for `'a` (the view's
-        // contract), and the new reference is let go at once.
-        let dict = unsafe {
-            let mut made = if self.managed {
-                managed_dict(request.as_ptr())
-            } else {
-                std::ptr::null_mut()
-            };
-            if made.is_null() {
-                let owned = Bound::from_owned_ptr_or_err(
-                    py,
-                    pyo3::ffi::PyObject_GenericGetDict(request.as_ptr(), std::ptr::null_mut()),
-                )
-                .ok()?;
-                made = owned.as_ptr();
-            }
-            Borrowed::from_ptr(py, made)
-        };
-        let dict_any = dict;
+        if self.slots.decode(prompt) {
+            return self.read_slots(request, prompt);
+        }
+        let dict_any = instance_dict(request, self.managed)?;
         let dict = dict_any.downcast_exact::<PyDict>().ok()?;
         #[allow(unsafe_code)]
         // SAFETY: the GIL is held, `dict` is a live exact dict, and the layout is 3.11's
@@ -407,21 +555,22 @@ impl PlainClass {
         } else {
             None
         };
-        let (tokens, tokens_slot) = dict_get(
+        let (tokens, tokens_slot) = field_at(
+            request,
+            self.slots.tokens,
             dict,
             entries.as_ref(),
-            self.tokens.bind(py),
+            self.tokens.bind(request.py()),
             &DICT_HINTS.tokens,
-        )
-        .ok()??;
+        )?;
         if !tokens.is_exact_instance_of::<PyList>() {
             return None;
         }
         #[allow(unsafe_code)]
-        // SAFETY: the list is the dict's value, which the dict (held by the request, `'a`)
-        // keeps alive until Python code runs (the view's contract).
-        let tokens = unsafe { Borrowed::from_ptr(py, tokens.as_ptr()) };
-        let decoded = decode(dict, entries.as_ref(), prompt).map(|mut d| {
+        // SAFETY: the list is held by the dict or the request (`'a`) until Python code runs
+        // (the view's contract).
+        let tokens = unsafe { Borrowed::from_ptr(request.py(), tokens.as_ptr()) };
+        let decoded = decode(request, &self.slots, dict, entries.as_ref(), prompt).map(|mut d| {
             d.lines = [
                 (request.as_ptr() as usize).wrapping_sub(MANAGED_DICT_WORD * 8),
                 dict.as_ptr() as usize,
@@ -435,11 +584,148 @@ impl PlainClass {
         });
         Some(PlainView {
             request,
-            dict: dict_any,
+            dict: Some(dict_any),
             tokens,
             decoded,
-            hinted: self.hinted,
+            class: self,
         })
+    }
+
+    /// A decode call's fields of `request`, an instance of this class, which keeps them all in
+    /// slots ([`Slots::decode`], the prompt length only when `prompt`) and its [`PlainState`]
+    /// in a state slot: read from the slots alone, when the counts are exact ints in range
+    /// (`count_of`'s rule), the tokens an exact list, and the state that of the request's
+    /// current `request_id`; else `None` (then the whole path reads the request, raises what
+    /// is wrong, and makes the state).
+    #[inline(always)]
+    pub(crate) fn read_state<'a, 'py>(
+        &self,
+        request: &'a Bound<'py, PyAny>,
+        prompt: bool,
+    ) -> Option<StateRead<'a, 'py>> {
+        let s = &self.slots;
+        if s.state == 0 || !s.decode(prompt) {
+            return None;
+        }
+        let count = |v: Option<Borrowed<'_, 'py, PyAny>>| {
+            let v = v?;
+            exact_int(&v)?.count_capped(COUNT_CAP)
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: slot offsets of the request's exact class (the caller's check); the values
+        // are borrowed from the request until Python code runs (the result's contract). The
+        // state is a `PlainState` (its type compared) and, as a frozen class, read through a
+        // shared reference.
+        unsafe {
+            let tokens = Slots::get(request, s.tokens)?;
+            let tokens = tokens.downcast_exact::<PyList>().ok()?;
+            let state = Slots::get(request, s.state)?;
+            if !std::ptr::eq(state.get_type_ptr(), self.state_type.as_ptr().cast()) {
+                return None;
+            }
+            let state = state.downcast_unchecked::<PlainState>();
+            let id = Slots::get(request, s.request_id)?;
+            if !std::ptr::eq(state.get().id.as_ptr(), id.as_ptr()) {
+                return None;
+            }
+            Some(StateRead {
+                num_tokens: tokens.len(),
+                num_computed_tokens: count(Slots::get(request, s.num_computed_tokens))?,
+                num_prompt_tokens: if prompt {
+                    count(Slots::get(request, s.num_prompt_tokens))?
+                } else {
+                    0
+                },
+                state: Borrowed::from_ptr(request.py(), state.as_ptr()),
+            })
+        }
+    }
+
+    /// [`Self::read`] of a request whose decode fields are all slots: its dict is not read.
+    #[inline(always)]
+    fn read_slots<'a, 'py>(
+        &'a self,
+        request: &'a Bound<'py, PyAny>,
+        prompt: bool,
+    ) -> Option<PlainView<'a, 'py>> {
+        let s = &self.slots;
+        #[allow(unsafe_code)]
+        // SAFETY: slot offsets of the request's exact class; the values are borrowed from the
+        // request until Python code runs (the view's contract).
+        let (tokens, computed, prompt_len, id) = unsafe {
+            (
+                Slots::get(request, s.tokens)?,
+                Slots::get(request, s.num_computed_tokens),
+                if prompt {
+                    Slots::get(request, s.num_prompt_tokens)
+                } else {
+                    None
+                },
+                Slots::get(request, s.request_id),
+            )
+        };
+        if !tokens.is_exact_instance_of::<PyList>() {
+            return None;
+        }
+        let count = |v: Option<Borrowed<'_, 'py, PyAny>>| {
+            let v = v?;
+            exact_int(&v)?.count_capped(COUNT_CAP)
+        };
+        let decoded = (|| {
+            let num_prompt_tokens = if prompt { count(prompt_len)? } else { 0 };
+            let mut lines = [0; LINES];
+            lines[0] = request.as_ptr() as usize;
+            lines[4] = tokens.as_ptr() as usize;
+            Some(Decoded {
+                id_addr: id?.as_ptr() as usize,
+                num_computed_tokens: count(computed)?,
+                num_prompt_tokens,
+                lines,
+            })
+        })();
+        Some(PlainView {
+            request,
+            dict: None,
+            tokens,
+            decoded,
+            class: self,
+        })
+    }
+}
+
+/// `request`'s instance dict, borrowed from the request; `None` when it cannot be made.
+/// `managed`: the class has a managed dict on 3.11 ([`PlainClass::managed`]).
+#[inline(always)]
+fn instance_dict<'a, 'py>(
+    request: &'a Bound<'py, PyAny>,
+    managed: bool,
+) -> Option<Borrowed<'a, 'py, PyAny>> {
+    let py = request.py();
+    #[allow(unsafe_code)]
+    // SAFETY: `request` is a live object of a registered class and the GIL is held (`py`).
+    // Where the class has a managed dict on 3.11 (`managed`, checked on a probe), the made
+    // dict is read where CPython keeps it. Otherwise (or before it is made) the class has a
+    // `__dict__` slot (checked at registration), so `PyObject_GenericGetDict` returns a new
+    // reference to the instance dict, made and stored in the instance when it had none, or
+    // NULL with an exception set (then taken off the thread: the caller's general path
+    // reports its own). Either way the instance holds a reference to its dict, which it keeps
+    // until Python code replaces it: the dict is borrowed from the instance, for `'a` (the
+    // caller's contract), and the new reference is let go at once.
+    unsafe {
+        let mut made = if managed {
+            managed_dict(request.as_ptr())
+        } else {
+            std::ptr::null_mut()
+        };
+        if made.is_null() {
+            let owned = Bound::from_owned_ptr_or_err(
+                py,
+                pyo3::ffi::PyObject_GenericGetDict(request.as_ptr(), std::ptr::null_mut()),
+            )
+            .ok()?;
+            made = owned.as_ptr();
+        }
+        Some(Borrowed::from_ptr(py, made))
     }
 }
 
@@ -467,30 +753,51 @@ pub(crate) const LINES: usize = 7;
 /// and `request_id`, and the token list. Only ever prefetched: a stale one costs a useless fetch.
 pub(crate) type Lines = [usize; LINES];
 
-/// A count field ([`dict_get`]) and its slot's address, when an exact int in range.
+/// The field `name` of a plain request: from its slot when the class keeps it in one
+/// (`offset` nonzero), else by [`dict_get`]; with the address of its dict slot (0 otherwise).
+/// Borrowed as [`dict_get`]'s.
 #[inline(always)]
-fn dict_count(
-    dict: &Bound<'_, PyDict>,
+fn field_at<'a, 'py>(
+    request: &'a Bound<'py, PyAny>,
+    offset: usize,
+    dict: &'a Bound<'py, PyDict>,
     entries: Option<&Entries>,
-    name: &Bound<'_, PyString>,
+    name: &Bound<'py, PyString>,
     hint: &AtomicU32,
-) -> Option<(usize, usize)> {
-    let (value, slot) = dict_get(dict, entries, name, hint).ok()??;
-    Some((exact_int(&value)?.count_capped(COUNT_CAP)?, slot))
+) -> Option<(Borrowed<'a, 'py, PyAny>, usize)> {
+    if offset != 0 {
+        #[allow(unsafe_code)]
+        // SAFETY: `offset` is a slot offset of the request's exact class (the caller read the
+        // request as its plain class's).
+        return unsafe { Slots::get(request, offset) }.map(|v| (v, 0));
+    }
+    dict_get(dict, entries, name, hint).ok()?
 }
 
-/// [`PlainClass::read`]'s decode fields; `None` when one is missing or of another type (the
-/// caller then reads the request the general way, which raises the error).
+/// [`PlainClass::read`]'s decode fields, from the slots `slots` names and the dict; `None`
+/// when one is missing or of another type (the caller then reads the request the general way,
+/// which raises the error).
 #[inline(always)]
-fn decode(dict: &Bound<'_, PyDict>, entries: Option<&Entries>, prompt: bool) -> Option<Decoded> {
+fn decode<'py>(
+    request: &Bound<'py, PyAny>,
+    slots: &Slots,
+    dict: &Bound<'py, PyDict>,
+    entries: Option<&Entries>,
+    prompt: bool,
+) -> Option<Decoded> {
     let py = dict.py();
-    let count = |name, hint| dict_count(dict, entries, name, hint);
+    let count = |offset, name, hint| {
+        let (value, slot) = field_at(request, offset, dict, entries, name, hint)?;
+        Some((exact_int(&value)?.count_capped(COUNT_CAP)?, slot))
+    };
     let (num_computed_tokens, computed_slot) = count(
+        slots.num_computed_tokens,
         intern!(py, "num_computed_tokens"),
         &DICT_HINTS.num_computed_tokens,
     )?;
     let num_prompt_tokens = if prompt {
         count(
+            slots.num_prompt_tokens,
             intern!(py, "num_prompt_tokens"),
             &DICT_HINTS.num_prompt_tokens,
         )?
@@ -498,13 +805,14 @@ fn decode(dict: &Bound<'_, PyDict>, entries: Option<&Entries>, prompt: bool) -> 
     } else {
         0
     };
-    let (id, id_slot) = dict_get(
+    let (id, id_slot) = field_at(
+        request,
+        slots.request_id,
         dict,
         entries,
         intern!(py, "request_id"),
         &DICT_HINTS.request_id,
-    )
-    .ok()??;
+    )?;
     let mut lines = [0; LINES];
     lines[..2].copy_from_slice(&[computed_slot, id_slot]);
     Some(Decoded {
@@ -520,13 +828,13 @@ fn decode(dict: &Bound<'_, PyDict>, entries: Option<&Entries>, prompt: bool) -> 
 /// could replace them. Its decode fields as read with them.
 pub(crate) struct PlainView<'a, 'py> {
     request: &'a Bound<'py, PyAny>,
-    /// An exact dict.
-    dict: Borrowed<'a, 'py, PyAny>,
+    /// The instance dict, when read (not for a request read from its slots alone).
+    dict: Option<Borrowed<'a, 'py, PyAny>>,
     /// An exact list.
     tokens: Borrowed<'a, 'py, PyAny>,
     pub(crate) decoded: Option<Decoded>,
-    /// Whether the dict is read by entry index (`PlainClass::hinted`).
-    hinted: bool,
+    /// The request's class.
+    class: &'a PlainClass,
 }
 
 impl<'py> PlainView<'_, 'py> {
@@ -546,18 +854,21 @@ impl<'py> PlainView<'_, 'py> {
         self.tokens().len()
     }
 
-    /// The fields held (reference counted), for a path that may run Python code.
-    pub(crate) fn to_owned(&self) -> PlainRequest<'py> {
-        #[allow(unsafe_code)]
-        // SAFETY: `read` checked that it is an exact dict.
-        let dict = unsafe { self.dict.downcast_unchecked::<PyDict>() };
-        PlainRequest {
+    /// The fields held (reference counted), for a path that may run Python code; `None` when
+    /// the instance dict, not read yet, is not an exact dict or cannot be made.
+    pub(crate) fn to_owned(&self) -> Option<PlainRequest<'py>> {
+        let dict = match self.dict {
+            Some(d) => d,
+            None => instance_dict(self.request, self.class.managed)?,
+        };
+        Some(PlainRequest {
             request: self.request.clone(),
-            dict: dict.clone(),
+            dict: dict.downcast_exact::<PyDict>().ok()?.clone(),
             tokens: self.tokens().clone(),
             decoded: self.decoded,
-            hinted: self.hinted,
-        }
+            hinted: self.class.hinted,
+            slots: self.class.slots,
+        })
     }
 }
 
@@ -569,6 +880,8 @@ pub(crate) struct PlainRequest<'py> {
     tokens: Bound<'py, PyList>,
     pub(crate) decoded: Option<Decoded>,
     hinted: bool,
+    /// The decode fields its class keeps in slots.
+    slots: Slots,
 }
 
 /// `dict[name]`, borrowed (no reference counted: valid until Python code runs, which could
@@ -668,9 +981,52 @@ impl<'py> PlainRequest<'py> {
         self.peek(self.entries().as_ref(), name, hint, |v| v.cloned())
     }
 
-    /// The attribute `name`, from the dict: `AttributeError` when the request has none.
+    /// The attribute `name`, from its slot or the dict: `AttributeError` when the request has
+    /// none.
     pub(crate) fn get(&self, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
-        self.dict.get_item(name)?.ok_or_else(|| self.missing(name))
+        self.opt(name)?.ok_or_else(|| self.missing(name))
+    }
+
+    /// The attribute `name`, from its slot or the dict, or `None` when the request has none.
+    pub(crate) fn opt(&self, name: &Bound<'py, PyString>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        match self.slots.offset(name) {
+            0 => self.dict.get_item(name),
+            #[allow(unsafe_code)]
+            // SAFETY: a slot offset of the request's exact class (read as its plain class's).
+            off => Ok(unsafe { Slots::get(&self.request, off) }.map(|v| v.to_owned())),
+        }
+    }
+
+    /// The request's [`PlainState`] when its class has a state slot (else `None`): the one the
+    /// slot holds when it is the state of the request's current `request_id`, else a new one,
+    /// stored in the slot. `ArgumentTypeError` for a `request_id` that is not a str.
+    pub(crate) fn kept_state(&self) -> PyResult<Option<Bound<'py, PlainState>>> {
+        if self.slots.state == 0 {
+            return Ok(None);
+        }
+        let py = self.request.py();
+        let id = self.get(intern!(py, "request_id"))?;
+        #[allow(unsafe_code)]
+        // SAFETY: a slot offset of the request's exact class.
+        let kept = unsafe { Slots::get(&self.request, self.slots.state) }
+            .and_then(|v| v.downcast_exact::<PlainState>().ok().cloned())
+            .filter(|s| s.get().id.is(&id));
+        if kept.is_some() {
+            return Ok(kept);
+        }
+        let id = request_id_of(&id)?;
+        let state = Bound::new(
+            py,
+            PlainState {
+                key: crate::args::id_key(id)?.into_owned(),
+                id: id.clone().unbind(),
+                hints: Default::default(),
+            },
+        )?;
+        // The class's own slot (a member descriptor, checked at registration): setting it
+        // runs no Python code (the value it replaces, if any, is let go).
+        self.request.setattr(intern!(py, "_kvcore_state"), &state)?;
+        Ok(Some(state))
     }
 
     /// The `AttributeError` of a missing attribute `name`.
@@ -698,8 +1054,8 @@ impl<'a, 'py> Fields<'a, 'py> {
         request: &'a Bound<'py, PyAny>,
         prompt: bool,
     ) -> Self {
-        match plain.and_then(|p| p.read(request, prompt)) {
-            Some(r) => Fields::Plain(r.to_owned()),
+        match plain.and_then(|p| p.read(request, prompt)?.to_owned()) {
+            Some(r) => Fields::Plain(r),
             None => Fields::Attrs(request),
         }
     }
@@ -716,7 +1072,7 @@ impl<'a, 'py> Fields<'a, 'py> {
     pub(crate) fn opt(&self, name: &Bound<'py, PyString>) -> PyResult<Option<Bound<'py, PyAny>>> {
         match self {
             Fields::Attrs(r) => get_opt(r.py(), r, name),
-            Fields::Plain(p) => p.dict.get_item(name),
+            Fields::Plain(p) => p.opt(name),
         }
     }
 
@@ -838,6 +1194,22 @@ impl<'a, 'py> Fields<'a, 'py> {
             Fields::Plain(p) => &p.request,
         }
     }
+}
+
+/// A plain request's table key and slot hints, kept in its `_kvcore_state` slot when its class
+/// has one (`kvcore.vllm.Request`): what kvcore's own `Request` keeps in its native base, so
+/// that a decode call reads them from the request, as it reads its fields. The state holds the
+/// id str it was made for; a state whose id is not the request's current `request_id` (the id
+/// was reassigned, or the state copied from another request) is replaced. Its hints are only
+/// hints: tables check a hint's owner and slot generation, so a state shared by managers
+/// answers nothing wrong. Not constructible from Python.
+#[pyclass(module = "kvcore._native", name = "RequestState", frozen)]
+pub(crate) struct PlainState {
+    id: Py<PyString>,
+    /// The id's table key (`crate::args::id_key`).
+    pub(crate) key: String,
+    /// One hint cell per group, the first [`INLINE_HINTS`] groups.
+    pub(crate) hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
 }
 
 /// A plain request's table key and slot hints, found by the address of its `request_id` str.
