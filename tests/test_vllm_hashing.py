@@ -77,6 +77,8 @@ def test_plugin_selects_native_hasher_only_with_kvcore_scheduler(
     original = engine_core.get_request_block_hasher
     monkeypatch.setattr(engine_core, "get_request_block_hasher", original)
     monkeypatch.setattr(kvcore.vllm.plugin, "_scheduler_built", False)
+    monkeypatch.setattr(kvcore.vllm.plugin, "_registered", False)
+    monkeypatch.setattr(engine_core, "Request", engine_core.Request)
     kvcore.vllm.plugin.register()
     kvcore.vllm.plugin.register()  # idempotent
     wrapped = engine_core.get_request_block_hasher
@@ -85,6 +87,44 @@ def test_plugin_selects_native_hasher_only_with_kvcore_scheduler(
     assert not isinstance(wrapped(16, fn), RequestBlockHasher)
     kvcore.vllm.plugin.note_scheduler_built()
     assert isinstance(wrapped(16, fn), RequestBlockHasher)
+
+
+def test_plugin_gives_the_engine_kvcores_request_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a kvcore scheduler was built, the engine builds its requests as
+    ``kvcore.vllm.Request`` (vLLM's own class until then, and without the plugin)."""
+    import vllm.v1.engine.core as engine_core
+    from vllm.v1.engine import EngineCoreRequest
+
+    monkeypatch.setattr(engine_core, "Request", Request)
+    monkeypatch.setattr(
+        engine_core, "get_request_block_hasher", engine_core.get_request_block_hasher
+    )
+    monkeypatch.setattr(kvcore.vllm.plugin, "_scheduler_built", False)
+    monkeypatch.setattr(kvcore.vllm.plugin, "_registered", False)
+    kvcore.vllm.plugin.note_scheduler_built()
+    assert engine_core.Request is Request  # not registered: nothing changes
+    kvcore.vllm.plugin.register()
+    assert engine_core.Request is Request
+    kvcore.vllm.plugin.note_scheduler_built()
+    assert engine_core.Request is kvcore.vllm.Request
+    hasher = kvcore.vllm.get_request_block_hasher(4, vllm_hashing.sha256)
+    core_request = EngineCoreRequest(
+        request_id="e",
+        prompt_token_ids=[1, 2, 3, 4, 5],
+        mm_features=None,
+        sampling_params=SamplingParams(max_tokens=3),
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
+    built = engine_core.Request.from_engine_core_request(core_request, hasher)
+    assert type(built) is kvcore.vllm.Request
+    assert isinstance(built, Request)
+    assert (built.request_id, built.num_prompt_tokens, built.num_tokens) == ("e", 5, 5)
+    assert "num_computed_tokens" not in vars(built)  # a slot, not an instance attribute
+    assert len(built.block_hashes) == 1
 
 
 def test_vllm_loads_the_entry_point() -> None:

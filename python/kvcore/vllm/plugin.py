@@ -1,13 +1,17 @@
-"""The ``vllm.general_plugins`` entry point: kvcore's native block hasher in vLLM's engine.
+"""The ``vllm.general_plugins`` entry point: kvcore's native block hasher and request class in
+vLLM's engine.
 
 vLLM's engine core builds its request block hasher itself, right after it built the scheduler
-(``vllm.v1.engine.core.EngineCore.__init__`` calls the module's ``get_request_block_hasher``).
-vLLM loads every ``vllm.general_plugins`` entry point before that; kvcore's (declared in its
-package metadata) wraps that one function so that, in a process where a
-``kvcore.vllm.Scheduler`` or ``AsyncScheduler`` was built, the engine gets
-:func:`kvcore.vllm.hashing.get_request_block_hasher` (native, byte-identical hashes) and
-otherwise vLLM's own. Nothing else is changed, and without kvcore's scheduler nothing changes.
-Set ``VLLM_PLUGINS`` to a list without ``kvcore`` to switch it off.
+(``vllm.v1.engine.core.EngineCore.__init__`` calls the module's ``get_request_block_hasher``),
+and builds each request with the module's ``Request.from_engine_core_request``. vLLM loads
+every ``vllm.general_plugins`` entry point before that; kvcore's (declared in its package
+metadata) wraps that one function so that, in a process where a ``kvcore.vllm.Scheduler`` or
+``AsyncScheduler`` was built, the engine gets :func:`kvcore.vllm.hashing.get_request_block_hasher`
+(native, byte-identical hashes) and otherwise vLLM's own. When kvcore's scheduler is built, the
+engine module's ``Request`` becomes :class:`kvcore.vllm.Request` (vLLM's class with its decode
+fields in slots, which kvcore's manager reads fastest). Nothing else is changed, and without
+kvcore's scheduler nothing changes. Set ``VLLM_PLUGINS`` to a list without ``kvcore`` to switch
+it off.
 """
 
 from __future__ import annotations
@@ -16,12 +20,20 @@ from collections.abc import Callable
 from typing import Any
 
 _scheduler_built = False
+_registered = False
 
 
 def note_scheduler_built() -> None:
-    """Called by kvcore's scheduler classes: this process runs kvcore's manager."""
+    """Called by kvcore's scheduler classes: this process runs kvcore's manager. With the plugin
+    registered, the engine builds its requests as :class:`kvcore.vllm.Request` from now on."""
     global _scheduler_built
     _scheduler_built = True
+    if _registered:
+        import vllm.v1.engine.core as engine_core
+
+        from kvcore.vllm.request import Request
+
+        engine_core.Request = Request
 
 
 def kvcore_selected() -> bool:
@@ -30,8 +42,12 @@ def kvcore_selected() -> bool:
 
 
 def register() -> None:
-    """Wraps ``vllm.v1.engine.core.get_request_block_hasher`` (idempotent)."""
+    """Wraps ``vllm.v1.engine.core.get_request_block_hasher`` (idempotent), and has
+    :func:`note_scheduler_built` give the engine kvcore's request class."""
     import vllm.v1.engine.core as engine_core
+
+    global _registered
+    _registered = True
 
     original: Callable[..., Any] = engine_core.get_request_block_hasher
     if getattr(original, "__kvcore_wrapper__", False):
