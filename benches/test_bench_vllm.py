@@ -154,7 +154,7 @@ class Side:
         self.biases: list[float] = []
 
 
-def _requests(n: int, seed: int, hasher: Any) -> list[Request]:
+def _requests(n: int, seed: int, hasher: Any, cls: type = Request) -> list[Request]:
     rng = random.Random(seed)
     systems = [[rng.randrange(h.VOCAB) for _ in range(rng.randrange(64, 256))] for _ in range(8)]
     out = []
@@ -162,7 +162,7 @@ def _requests(n: int, seed: int, hasher: Any) -> list[Request]:
         prompt = list(rng.choice(systems)) if rng.random() < 0.7 else []
         prompt += [rng.randrange(h.VOCAB) for _ in range(rng.randrange(16, 256))]
         out.append(
-            Request(
+            cls(
                 f"r{i}",
                 prompt,
                 SamplingParams(max_tokens=100_000, ignore_eos=True),
@@ -222,7 +222,11 @@ def _scheduler(cls: Any, setup: h.Setup, cfg: Any, hasher: Any) -> Any:
         log_stats=True,
     )
     sched.kv_event_publisher = h.CapturingPublisher()
-    for req in _requests(setup.max_num_seqs, 0, hasher):
+    # The requests the engine builds with each scheduler: kvcore's has it build
+    # kvcore.vllm.Request (its engine plugin).
+    kvcore_scheduler = cls.__module__.startswith("kvcore.")
+    request_cls = kvcore.vllm.Request if kvcore_scheduler else Request
+    for req in _requests(setup.max_num_seqs, 0, hasher, request_cls):
         sched.add_request(req)
     return sched
 

@@ -23,6 +23,7 @@ from kvcore import (
     KVCacheManager,
     SlidingWindowSpec,
 )
+from kvcore._native import PlainRequestBase
 from kvcore.events import BlockStored
 from kvcore.hashing import get_request_block_hasher, init_none_hash, sha256
 
@@ -89,16 +90,11 @@ class WidePlainManager(KVCacheManager):
     )
 
 
-class SlottedPlainRequest(PlainRequest):
-    """The request with its decode fields in slots of its own (as ``kvcore.vllm.Request``)."""
+class SlottedPlainRequest(PlainRequest, PlainRequestBase):
+    """The request with its decode fields in slots of its own and its key and hints in its
+    native base (as ``kvcore.vllm.Request``)."""
 
-    __slots__ = (
-        "_all_token_ids",
-        "_kvcore_state",
-        "num_computed_tokens",
-        "num_prompt_tokens",
-        "request_id",
-    )
+    __slots__ = ("_all_token_ids", "num_computed_tokens", "num_prompt_tokens", "request_id")
 
 
 class SlottedDuckRequest(SlottedPlainRequest):
@@ -425,6 +421,92 @@ def test_plain_request_hints_follow_their_ids() -> None:
     # Every request was freed; only a1's first id str, replaced before its free, keeps its
     # entry until a sweep (test_plain_request_hints_stay_bounded).
     assert plain_mgr._num_plain_hints == 1
+
+
+def test_a_native_based_request_keeps_its_key_and_hints_in_itself() -> None:
+    """A request of a class derived from ``PlainRequestBase`` keeps its key and hints in its
+    native base, not in the manager's hint map: an id replaced by an equal str or reused after a
+    free, and one request object served by two managers in turn, give what attribute reads
+    give."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def scenario(managers: list[KVCacheManager], cls: type[PlainRequest]) -> list[Any]:
+        log: list[Any] = []
+        a: Any = cls("".join(["a", "1"]), list(range(6)), hasher)
+        b: Any = cls("b", list(range(10, 19)), hasher)
+        for mgr in managers:
+            for req in (a, b):
+                log.append(outcome(mgr.allocate_slots, req, req.num_tokens))
+        for req in (a, b):
+            req.num_computed_tokens = req.num_tokens
+            req.status = RUNNING
+            req.append(5)
+        a.request_id = "".join(["a", "1"])  # equal, another str object
+        for _ in range(6):
+            for mgr in managers:
+                for req in (a, b):
+                    log.append(outcome(mgr.allocate_slots, req, 1, num_lookahead_tokens=1))
+            for req in (a, b):
+                req.num_computed_tokens += 1
+                req.append(6)
+        for mgr in managers:
+            log.append((mgr.get_block_ids("a1"), mgr.get_block_ids("b")))
+            mgr.free(a)
+            again: Any = cls("a1", list(range(30, 37)), hasher)  # the id reused
+            log.append(outcome(mgr.allocate_slots, again, again.num_tokens))
+            log.append(outcome(mgr.allocate_slots, b, 1))
+            log.append((mgr.get_block_ids("a1"), mgr.get_block_ids("b")))
+            mgr.free(b)
+            mgr.free(again)
+            log.append(mgr.block_pool.get_num_free_blocks())
+        return log
+
+    def managers() -> list[KVCacheManager]:
+        return [plain_manager(True, SlottedPlainManager), plain_manager(False, SlottedPlainManager)]
+
+    ours = managers()
+    assert scenario(ours, SlottedPlainRequest) == scenario(managers(), SlottedDuckRequest)
+    assert [m._num_plain_hints for m in ours] == [0, 0]
+
+
+def test_the_slotted_reader_is_the_one_used() -> None:
+    """A native-based request whose ``num_tokens`` property lies is read by its token list, on
+    the no-op path too (its decode calls reach it once its key is kept)."""
+
+    class Lying(SlottedPlainRequest):
+        __slots__ = ()
+
+    class LyingManager(KVCacheManager):
+        _plain_request_classes = ((Lying, "_all_token_ids"),)
+
+    Lying.num_tokens = property(lambda self: 10**6)  # type: ignore[assignment]
+    mgr = LyingManager(
+        config(False), max_model_len=256, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+    )
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    req: Any = Lying("a", list(range(6)), hasher)
+    assert mgr.allocate_slots(req, 6) is not None
+    req.num_computed_tokens = 6
+    req.append(1)
+    # 7 tokens in 2 blocks: a decode call needs no block. Read through the property it would
+    # need far more than the pool has.
+    for _ in range(3):
+        got = mgr.allocate_slots(req, 1)
+        assert got is not None and got.get_block_ids() == ([],)
+    assert len(mgr.get_block_ids("a")[0]) == 2
+
+
+class SlottedStatus(PlainRequest):
+    __slots__ = ("status",)
+
+
+def test_a_slot_for_a_field_other_than_the_decode_fields_is_refused() -> None:
+    class Manager(KVCacheManager):
+        _plain_request_classes = ((SlottedStatus, "_all_token_ids"),)
+
+    with pytest.raises(InvalidArgumentError, match="defines status"):
+        Manager(config(False), max_model_len=64, scheduler_block_size=BLOCK, hash_block_size=BLOCK)
 
 
 def test_plain_request_entries_follow_any_call_order() -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "KvcoreError",
     "MissingBlocksError",
     "NoFreeBlocksError",
+    "PlainRequestBase",
     "RequestBlockHasher",
     "RequestCore",
     "Retention",
@@ -429,6 +430,13 @@ class TokenIds(Sequence[int]):
     def __ne__(self, other: object, /) -> bool: ...
     def index(self, value: Any, start: int = 0, stop: int | None = None) -> int: ...
     def count(self, value: Any) -> int: ...
+
+@disjoint_base
+class PlainRequestBase:
+    """Native base of a plain request class (``kvcore.vllm.Request``): where the manager keeps
+    the request's table key and slot hints. Takes and ignores any constructor arguments."""
+
+    def __new__(cls, *_args: Any, **_kwargs: Any) -> Self: ...
 
 @disjoint_base
 class RequestCore:

@@ -54,6 +54,9 @@ mod _native {
     use super::manager::PyManagerCore;
 
     #[pymodule_export]
+    use super::plain::PlainState;
+
+    #[pymodule_export]
     use super::blocks::PyKVCacheBlocks;
     #[pymodule_export]
     use super::request::{append_output_token_ids_batch, PyRequestCore, PyTokenIds};

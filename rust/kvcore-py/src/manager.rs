@@ -133,24 +133,24 @@ fn group_config(
 /// Where a duck-typed request's table key comes from: a plain request's kept key and hints,
 /// or any other request's `request_id` str.
 enum IdSource<'a, 'py> {
-    Plain(Kept<'a, 'py>),
+    Plain(Kept<'a>),
     Str(Bound<'py, PyString>),
 }
 
 /// A plain request's kept table key and hints: its state slot's, or its entry in the hint map
 /// (held in place for the call).
-enum Kept<'a, 'py> {
-    State(Bound<'py, crate::plain::PlainState>),
+enum Kept<'a> {
+    State(crate::plain::StateRef<'a>),
     Map(std::cell::RefMut<'a, crate::plain::PlainEntry>),
 }
 
-impl Kept<'_, '_> {
+impl Kept<'_> {
     /// The table key and the hints of the first `n` groups (of those kept).
     #[inline]
     fn key_hints(&self, n: usize) -> (&str, &[HintCell]) {
         let (key, hints) = match self {
-            Kept::State(s) => (&s.get().key, &s.get().hints),
-            Kept::Map(e) => (&e.key, &e.hints),
+            Kept::State(s) => (s.key(), &s.hints[..]),
+            Kept::Map(e) => (e.key.as_str(), &e.hints[..]),
         };
         (key, &hints[..n.min(hints.len())])
     }
@@ -283,7 +283,7 @@ enum Noop<'a, 'py> {
 /// A plain request's fields as [`Inner::answers_noop`] read them, its hint entry held.
 struct PlainRead<'a, 'py> {
     plain: crate::plain::PlainRequest<'py>,
-    entry: Kept<'a, 'py>,
+    entry: Kept<'a>,
     num_computed_tokens: usize,
     /// 0 unless the configuration reads it (as [`Inner::num_prompt_tokens`]).
     num_prompt_tokens: usize,
@@ -781,9 +781,9 @@ impl Inner {
         let Some(r) = class.read_state(request, self.reads_prompt) else {
             return Noop::Unknown;
         };
-        let state = r.state();
+        let state = &r.state;
         let view = RequestView {
-            id: &state.key,
+            id: state.key(),
             num_computed_tokens: r.num_computed_tokens,
             num_tokens: r.num_tokens,
             num_prompt_tokens: r.num_prompt_tokens,

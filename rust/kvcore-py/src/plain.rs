@@ -59,29 +59,34 @@ pub(crate) struct PlainClass {
     managed: bool,
     /// The decode fields the class keeps in `__slots__`.
     slots: Slots,
-    /// `PlainState`'s type object, compared with the state slot's value's type.
-    state_type: Py<PyType>,
+    /// Whether the class derives from [`PlainState`] (`kvcore._native.PlainRequestBase`), so
+    /// that its instances keep their key and hints in their native base.
+    based: bool,
 }
 
-/// A decode call's fields of a request whose class keeps them all in slots, with its state
-/// ([`PlainClass::read_state`]), borrowed from the request: valid while no Python code runs.
-pub(crate) struct StateRead<'a, 'py> {
-    /// A `PlainState`.
-    state: Borrowed<'a, 'py, PyAny>,
+/// A request's key and hints, kept in its native base ([`PlainState`]): its key borrowed
+/// from the base for the call (`RefMut`), its hints shared.
+pub(crate) struct StateRef<'a> {
+    kept: RefMut<'a, KeptId>,
+    pub(crate) hints: &'a [kvcore_core::tables::HintCell; INLINE_HINTS],
+}
+
+impl StateRef<'_> {
+    /// The table key.
+    #[inline]
+    pub(crate) fn key(&self) -> &str {
+        &self.kept.key
+    }
+}
+
+/// A decode call's fields of a request whose class keeps them all in slots, and its key and
+/// hints ([`PlainClass::read_state`]); valid while no Python code runs.
+pub(crate) struct StateRead<'a> {
+    pub(crate) state: StateRef<'a>,
     pub(crate) num_tokens: usize,
     pub(crate) num_computed_tokens: usize,
     /// 0 unless asked for.
     pub(crate) num_prompt_tokens: usize,
-}
-
-impl StateRead<'_, '_> {
-    /// The request's state.
-    #[inline(always)]
-    pub(crate) fn state(&self) -> &PlainState {
-        #[allow(unsafe_code)]
-        // SAFETY: `read_state` compared its type with `PlainState`'s.
-        unsafe { self.state.downcast_unchecked::<PlainState>() }.get()
-    }
 }
 
 /// Where a plain class keeps decode fields in `__slots__` (its own or a base's): each field's
@@ -99,8 +104,6 @@ pub(crate) struct Slots {
     tokens: usize,
     /// The address of the class's token attribute name (compared only; the class holds it).
     tokens_name: usize,
-    /// The `_kvcore_state` slot, where the manager keeps a request's [`PlainState`].
-    state: usize,
 }
 
 impl Slots {
@@ -139,8 +142,7 @@ impl Slots {
     fn probe(cls: &Bound<'_, PyType>, field: &str, slot: &Bound<'_, PyAny>) -> PyResult<usize> {
         let py = cls.py();
         let size: usize = cls.getattr(intern!(py, "__basicsize__"))?.extract()?;
-        let object = py.get_type::<pyo3::types::PyAny>();
-        let bare = object.call_method1(intern!(py, "__new__"), (cls,))?;
+        let bare = cls.call_method1(intern!(py, "__new__"), (cls,))?;
         let marker = PyList::empty(py);
         slot.call_method1(intern!(py, "__set__"), (&bare, &marker))?;
         let word = std::mem::size_of::<usize>();
@@ -499,12 +501,6 @@ impl PlainClass {
                 }
             }
         }
-        let state = intern!(py, "_kvcore_state");
-        if let Ok(found) = cls.getattr(state) {
-            if found.get_type().is(&member) {
-                slots.state = Slots::probe(cls, "_kvcore_state", &found)?;
-            }
-        }
         let hinted = dicts_are_311(py);
         Ok(Self {
             cls: cls.clone().unbind(),
@@ -512,14 +508,14 @@ impl PlainClass {
             hinted,
             managed: hinted && has_managed_dict(cls),
             slots,
-            state_type: py.get_type::<PlainState>().unbind(),
+            based: cls.is_subclass_of::<PlainState>()?,
         })
     }
 
-    /// Whether the class has a `_kvcore_state` slot ([`PlainState`]).
+    /// Whether instances keep their key and hints in their native base ([`PlainState`]).
     #[inline]
     pub(crate) fn has_state(&self) -> bool {
-        self.slots.state != 0
+        self.based
     }
 
     /// Whether `request`'s class is exactly this one.
@@ -592,53 +588,57 @@ impl PlainClass {
     }
 
     /// A decode call's fields of `request`, an instance of this class, which keeps them all in
-    /// slots ([`Slots::decode`], the prompt length only when `prompt`) and its [`PlainState`]
-    /// in a state slot: read from the slots alone, when the counts are exact ints in range
-    /// (`count_of`'s rule), the tokens an exact list, and the state that of the request's
-    /// current `request_id`; else `None` (then the whole path reads the request, raises what
-    /// is wrong, and makes the state).
+    /// slots ([`Slots::decode`], the prompt length only when `prompt`) and derives from
+    /// [`PlainState`]: read from the slots and the native base alone, when the counts are exact
+    /// ints in range (`count_of`'s rule), the tokens an exact list, and the base keeps the key
+    /// of the request's current `request_id`; else `None` (then the whole path reads the
+    /// request, raises what is wrong, and keeps the key).
     #[inline(always)]
-    pub(crate) fn read_state<'a, 'py>(
+    pub(crate) fn read_state<'a>(
         &self,
-        request: &'a Bound<'py, PyAny>,
+        request: &'a Bound<'_, PyAny>,
         prompt: bool,
-    ) -> Option<StateRead<'a, 'py>> {
+    ) -> Option<StateRead<'a>> {
         let s = &self.slots;
-        if s.state == 0 || !s.decode(prompt) {
+        if !self.based || !s.decode(prompt) {
             return None;
         }
-        let count = |v: Option<Borrowed<'_, 'py, PyAny>>| {
+        let count = |v: Option<Borrowed<'_, '_, PyAny>>| {
             let v = v?;
             exact_int(&v)?.count_capped(COUNT_CAP)
         };
         #[allow(unsafe_code)]
-        // SAFETY: slot offsets of the request's exact class (the caller's check); the values
-        // are borrowed from the request until Python code runs (the result's contract). The
-        // state is a `PlainState` (its type compared) and, as a frozen class, read through a
-        // shared reference.
-        unsafe {
-            let tokens = Slots::get(request, s.tokens)?;
-            let tokens = tokens.downcast_exact::<PyList>().ok()?;
-            let state = Slots::get(request, s.state)?;
-            if !std::ptr::eq(state.get_type_ptr(), self.state_type.as_ptr().cast()) {
-                return None;
-            }
-            let state = state.downcast_unchecked::<PlainState>();
-            let id = Slots::get(request, s.request_id)?;
-            if !std::ptr::eq(state.get().id.as_ptr(), id.as_ptr()) {
-                return None;
-            }
-            Some(StateRead {
-                num_tokens: tokens.len(),
-                num_computed_tokens: count(Slots::get(request, s.num_computed_tokens))?,
-                num_prompt_tokens: if prompt {
-                    count(Slots::get(request, s.num_prompt_tokens))?
+        // SAFETY: slot offsets of the request's exact class (the caller's check), a subclass
+        // of `PlainState` (`based`); the values are borrowed from the request for the call.
+        let (tokens, id, computed, prompt_len, base) = unsafe {
+            (
+                Slots::get(request, s.tokens)?,
+                Slots::get(request, s.request_id)?,
+                Slots::get(request, s.num_computed_tokens),
+                if prompt {
+                    Slots::get(request, s.num_prompt_tokens)
                 } else {
-                    0
+                    None
                 },
-                state: Borrowed::from_ptr(request.py(), state.as_ptr()),
-            })
-        }
+                request.downcast_unchecked::<PlainState>().get(),
+            )
+        };
+        let tokens = tokens.downcast_exact::<PyList>().ok()?;
+        let kept = base.kept.try_borrow(request.py())?;
+        let kept = RefMut::filter_map(kept, |k| {
+            k.as_mut()
+                .filter(|k| std::ptr::eq(k.id.as_ptr(), id.as_ptr()))
+        })
+        .ok()?;
+        Some(StateRead {
+            num_tokens: tokens.len(),
+            num_computed_tokens: count(computed)?,
+            num_prompt_tokens: if prompt { count(prompt_len)? } else { 0 },
+            state: StateRef {
+                kept,
+                hints: &base.hints,
+            },
+        })
     }
 
     /// [`Self::read`] of a request whose decode fields are all slots: its dict is not read.
@@ -774,6 +774,20 @@ fn field_at<'a, 'py>(
     dict_get(dict, entries, name, hint).ok()?
 }
 
+/// A count field ([`field_at`]) and its dict slot's address, when an exact int in range.
+#[inline(always)]
+fn count_at<'py>(
+    request: &Bound<'py, PyAny>,
+    offset: usize,
+    dict: &Bound<'py, PyDict>,
+    entries: Option<&Entries>,
+    name: &Bound<'py, PyString>,
+    hint: &AtomicU32,
+) -> Option<(usize, usize)> {
+    let (value, slot) = field_at(request, offset, dict, entries, name, hint)?;
+    Some((exact_int(&value)?.count_capped(COUNT_CAP)?, slot))
+}
+
 /// [`PlainClass::read`]'s decode fields, from the slots `slots` names and the dict; `None`
 /// when one is missing or of another type (the caller then reads the request the general way,
 /// which raises the error).
@@ -786,10 +800,7 @@ fn decode<'py>(
     prompt: bool,
 ) -> Option<Decoded> {
     let py = dict.py();
-    let count = |offset, name, hint| {
-        let (value, slot) = field_at(request, offset, dict, entries, name, hint)?;
-        Some((exact_int(&value)?.count_capped(COUNT_CAP)?, slot))
-    };
+    let count = |offset, name, hint| count_at(request, offset, dict, entries, name, hint);
     let (num_computed_tokens, computed_slot) = count(
         slots.num_computed_tokens,
         intern!(py, "num_computed_tokens"),
@@ -868,6 +879,7 @@ impl<'py> PlainView<'_, 'py> {
             decoded: self.decoded,
             hinted: self.class.hinted,
             slots: self.class.slots,
+            based: self.class.based,
         })
     }
 }
@@ -882,6 +894,8 @@ pub(crate) struct PlainRequest<'py> {
     hinted: bool,
     /// The decode fields its class keeps in slots.
     slots: Slots,
+    /// Whether its class derives from [`PlainState`].
+    based: bool,
 }
 
 /// `dict[name]`, borrowed (no reference counted: valid until Python code runs, which could
@@ -997,36 +1011,40 @@ impl<'py> PlainRequest<'py> {
         }
     }
 
-    /// The request's [`PlainState`] when its class has a state slot (else `None`): the one the
-    /// slot holds when it is the state of the request's current `request_id`, else a new one,
-    /// stored in the slot. `ArgumentTypeError` for a `request_id` that is not a str.
-    pub(crate) fn kept_state(&self) -> PyResult<Option<Bound<'py, PlainState>>> {
-        if self.slots.state == 0 {
+    /// The key and hints kept in the request's native base ([`PlainState`]) when its class
+    /// derives from it, for the request's current `request_id` (kept now, its hints reset, when
+    /// the base kept another id's or none); `None` when the class does not, or while another
+    /// call holds the base's key. `ArgumentTypeError` for a `request_id` that is not a str.
+    pub(crate) fn kept_state(&self) -> PyResult<Option<StateRef<'_>>> {
+        if !self.based {
             return Ok(None);
         }
         let py = self.request.py();
         let id = self.get(intern!(py, "request_id"))?;
         #[allow(unsafe_code)]
-        // SAFETY: a slot offset of the request's exact class.
-        let kept = unsafe { Slots::get(&self.request, self.slots.state) }
-            .and_then(|v| v.downcast_exact::<PlainState>().ok().cloned())
-            .filter(|s| s.get().id.is(&id));
-        if kept.is_some() {
-            return Ok(kept);
-        }
-        let id = request_id_of(&id)?;
-        let state = Bound::new(
-            py,
-            PlainState {
-                key: crate::args::id_key(id)?.into_owned(),
+        // SAFETY: the request's exact class derives from `PlainState` (`based`).
+        let base = unsafe { self.request.downcast_unchecked::<PlainState>() }.get();
+        let Some(mut kept) = base.kept.try_borrow(py) else {
+            return Ok(None);
+        };
+        if !kept.as_ref().is_some_and(|k| k.id.is(&id)) {
+            let id = request_id_of(&id)?;
+            let key = crate::args::id_key(id)?.into_owned();
+            for h in &base.hints {
+                h.set(None);
+            }
+            // The id it replaces is let go: freeing a str runs no Python code.
+            *kept = Some(KeptId {
                 id: id.clone().unbind(),
-                hints: Default::default(),
-            },
-        )?;
-        // The class's own slot (a member descriptor, checked at registration): setting it
-        // runs no Python code (the value it replaces, if any, is let go).
-        self.request.setattr(intern!(py, "_kvcore_state"), &state)?;
-        Ok(Some(state))
+                key,
+            });
+        }
+        Ok(RefMut::filter_map(kept, Option::as_mut)
+            .ok()
+            .map(|kept| StateRef {
+                kept,
+                hints: &base.hints,
+            }))
     }
 
     /// The `AttributeError` of a missing attribute `name`.
@@ -1196,20 +1214,38 @@ impl<'a, 'py> Fields<'a, 'py> {
     }
 }
 
-/// A plain request's table key and slot hints, kept in its `_kvcore_state` slot when its class
-/// has one (`kvcore.vllm.Request`): what kvcore's own `Request` keeps in its native base, so
-/// that a decode call reads them from the request, as it reads its fields. The state holds the
-/// id str it was made for; a state whose id is not the request's current `request_id` (the id
-/// was reassigned, or the state copied from another request) is replaced. Its hints are only
-/// hints: tables check a hint's owner and slot generation, so a state shared by managers
-/// answers nothing wrong. Not constructible from Python.
-#[pyclass(module = "kvcore._native", name = "RequestState", frozen)]
+/// `kvcore._native.PlainRequestBase`: a native base for a plain request class
+/// (`kvcore.vllm.Request`), where the manager keeps the request's table key and slot hints, as
+/// kvcore's own `Request` keeps them in its native base: a decode call reads them from the
+/// request object itself, with its fields (slots). The base keeps the id str its key was made
+/// for; when the request's `request_id` is another object, the key is made again and the hints
+/// reset. The hints are only hints: tables check a hint's owner and slot generation, so a
+/// request shared by managers is answered right. It takes and ignores any constructor
+/// arguments (its subclass's `__init__` reads them).
+#[pyclass(module = "kvcore._native", name = "PlainRequestBase", subclass, frozen)]
 pub(crate) struct PlainState {
-    id: Py<PyString>,
-    /// The id's table key (`crate::args::id_key`).
-    pub(crate) key: String,
+    /// The id the key was made for, and the key; held by a call for its length.
+    kept: GilCell<Option<KeptId>>,
     /// One hint cell per group, the first [`INLINE_HINTS`] groups.
-    pub(crate) hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
+    hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
+}
+
+/// A request id and its table key (`crate::args::id_key`).
+struct KeptId {
+    id: Py<PyString>,
+    key: String,
+}
+
+#[pymethods]
+impl PlainState {
+    #[new]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Self {
+        Self {
+            kept: GilCell::new(None),
+            hints: Default::default(),
+        }
+    }
 }
 
 /// A plain request's table key and slot hints, found by the address of its `request_id` str.
