@@ -283,7 +283,7 @@ enum Noop<'a, 'py> {
 /// A plain request's fields as [`Inner::answers_noop`] read them, its hint entry held.
 struct PlainRead<'a, 'py> {
     plain: crate::plain::PlainRequest<'py>,
-    entry: Kept<'a>,
+    entry: std::cell::RefMut<'a, crate::plain::PlainEntry>,
     num_computed_tokens: usize,
     /// 0 unless the configuration reads it (as [`Inner::num_prompt_tokens`]).
     num_prompt_tokens: usize,
@@ -518,7 +518,7 @@ impl Inner {
                 let mut known_computed = None;
                 id_src = if let Some((entry, computed, prompt)) = read {
                     (known_computed, known_prompt) = (Some(computed), Some(prompt));
-                    IdSource::Plain(entry)
+                    IdSource::Plain(Kept::Map(entry))
                 } else if let Fields::Plain(p) = &fields {
                     // The fields a decode call reads, as read at their dict entries, when they
                     // are exact ints in range (else read below, which raises what is wrong).
@@ -742,17 +742,16 @@ impl Inner {
             return Noop::Unknown;
         };
         entry.lines.set(d.lines);
-        let kept = Kept::Map(entry);
-        let (id, hints) = kept.key_hints(self.num_groups);
+        let hints = &entry.hints[..self.num_groups.min(entry.hints.len())];
         let view = RequestView {
-            id,
+            id: &entry.key,
             num_computed_tokens: d.num_computed_tokens,
             num_tokens: plain.num_tokens(),
             num_prompt_tokens: d.num_prompt_tokens,
             waiting_or_preempted: false,
             hints,
         };
-        if self.decide_noop(py, &view, kept.slot_cell(), args, next) {
+        if self.decide_noop(py, &view, Some(&entry.slot_addr), args, next) {
             return Noop::Yes;
         }
         // The whole path takes the fields as read here.
@@ -761,7 +760,7 @@ impl Inner {
         };
         Noop::No(Some(PlainRead {
             plain: owned,
-            entry: kept,
+            entry,
             num_computed_tokens: d.num_computed_tokens,
             num_prompt_tokens: d.num_prompt_tokens,
         }))
