@@ -603,10 +603,6 @@ impl PlainClass {
         if !self.based || !s.decode(prompt) {
             return None;
         }
-        let count = |v: Option<Borrowed<'_, '_, PyAny>>| {
-            let v = v?;
-            exact_int(&v)?.count_capped(COUNT_CAP)
-        };
         #[allow(unsafe_code)]
         // SAFETY: slot offsets of the request's exact class (the caller's check), a subclass
         // of `PlainState` (`based`); the values are borrowed from the request for the call.
@@ -632,8 +628,8 @@ impl PlainClass {
         .ok()?;
         Some(StateRead {
             num_tokens: tokens.len(),
-            num_computed_tokens: count(computed)?,
-            num_prompt_tokens: if prompt { count(prompt_len)? } else { 0 },
+            num_computed_tokens: slot_count(computed)?,
+            num_prompt_tokens: if prompt { slot_count(prompt_len)? } else { 0 },
             state: StateRef {
                 kept,
                 hints: &base.hints,
@@ -667,18 +663,14 @@ impl PlainClass {
         if !tokens.is_exact_instance_of::<PyList>() {
             return None;
         }
-        let count = |v: Option<Borrowed<'_, 'py, PyAny>>| {
-            let v = v?;
-            exact_int(&v)?.count_capped(COUNT_CAP)
-        };
         let decoded = (|| {
-            let num_prompt_tokens = if prompt { count(prompt_len)? } else { 0 };
+            let num_prompt_tokens = if prompt { slot_count(prompt_len)? } else { 0 };
             let mut lines = [0; LINES];
             lines[0] = request.as_ptr() as usize;
             lines[4] = tokens.as_ptr() as usize;
             Some(Decoded {
                 id_addr: id?.as_ptr() as usize,
-                num_computed_tokens: count(computed)?,
+                num_computed_tokens: slot_count(computed)?,
                 num_prompt_tokens,
                 lines,
             })
@@ -691,6 +683,13 @@ impl PlainClass {
             class: self,
         })
     }
+}
+
+/// A count read from a slot (`None`: unset), when an exact int in range (`count_of`'s rule).
+#[inline(always)]
+fn slot_count(value: Option<Borrowed<'_, '_, PyAny>>) -> Option<usize> {
+    let value = value?;
+    exact_int(&value)?.count_capped(COUNT_CAP)
 }
 
 /// `request`'s instance dict, borrowed from the request; `None` when it cannot be made.
