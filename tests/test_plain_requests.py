@@ -379,29 +379,28 @@ def test_a_plain_requests_hash_list_is_read_only_when_plain() -> None:
     mgr.check_invariants()
 
 
-def test_plain_request_hints_follow_their_ids() -> None:
-    """The manager finds a plain request's tables by the address of its id str (an entry that
-    keeps the str alive, with the request's slot hints). An id replaced by an equal str, an id
-    reused after a free, and frees in any order give what attribute reads give; freed
-    requests leave no entry (but one freed under another str: swept later)."""
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK, sha256)
-
-    def scenario(mgr: KVCacheManager, cls: type[PlainRequest]) -> list[Any]:
-        log: list[Any] = []
-        a: Any = cls("".join(["a", "1"]), list(range(6)), hasher)
-        b: Any = cls("b", list(range(10, 19)), hasher)
+def hint_scenario(managers: list[KVCacheManager], cls: type[Any], hasher: Any) -> list[Any]:
+    """Requests of `cls` admitted and decoded by `managers` in turn: an id replaced by an
+    equal str, an id reused after a free; what each call answered."""
+    log: list[Any] = []
+    a: Any = cls("".join(["a", "1"]), list(range(6)), hasher)
+    b: Any = cls("b", list(range(10, 19)), hasher)
+    for mgr in managers:
         for req in (a, b):
             log.append(outcome(mgr.allocate_slots, req, req.num_tokens))
-            req.num_computed_tokens = req.num_tokens
-            req.status = RUNNING
-            req.append(5)
-        a.request_id = "".join(["a", "1"])  # equal, another str object
-        for _ in range(6):
+    for req in (a, b):
+        req.num_computed_tokens = req.num_tokens
+        req.status = RUNNING
+        req.append(5)
+    a.request_id = "".join(["a", "1"])  # equal, another str object
+    for _ in range(6):
+        for mgr in managers:
             for req in (a, b):
                 log.append(outcome(mgr.allocate_slots, req, 1, num_lookahead_tokens=1))
-                req.num_computed_tokens += 1
-                req.append(6)
+        for req in (a, b):
+            req.num_computed_tokens += 1
+            req.append(6)
+    for mgr in managers:
         log.append((mgr.get_block_ids("a1"), mgr.get_block_ids("b")))
         mgr.free(a)
         again: Any = cls("a1", list(range(30, 37)), hasher)  # the id reused
@@ -411,13 +410,24 @@ def test_plain_request_hints_follow_their_ids() -> None:
         mgr.free(b)
         mgr.free(again)
         log.append(mgr.block_pool.get_num_free_blocks())
-        return log
+    return log
+
+
+def test_plain_request_hints_follow_their_ids() -> None:
+    """The manager finds a plain request's tables by the address of its id str (an entry that
+    keeps the str alive, with the request's slot hints). An id replaced by an equal str, an id
+    reused after a free, and frees in any order give what attribute reads give; freed
+    requests leave no entry (but one freed under another str: swept later)."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
 
     def manager() -> KVCacheManager:
         return plain_manager(True)
 
     plain_mgr = manager()
-    assert scenario(plain_mgr, PlainRequest) == scenario(manager(), DuckRequest)
+    assert hint_scenario([plain_mgr], PlainRequest, hasher) == hint_scenario(
+        [manager()], DuckRequest, hasher
+    )
     # Every request was freed; only a1's first id str, replaced before its free, keeps its
     # entry until a sweep (test_plain_request_hints_stay_bounded).
     assert plain_mgr._num_plain_hints == 1
@@ -431,42 +441,13 @@ def test_a_native_based_request_keeps_its_key_and_hints_in_itself() -> None:
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
 
-    def scenario(managers: list[KVCacheManager], cls: type[PlainRequest]) -> list[Any]:
-        log: list[Any] = []
-        a: Any = cls("".join(["a", "1"]), list(range(6)), hasher)
-        b: Any = cls("b", list(range(10, 19)), hasher)
-        for mgr in managers:
-            for req in (a, b):
-                log.append(outcome(mgr.allocate_slots, req, req.num_tokens))
-        for req in (a, b):
-            req.num_computed_tokens = req.num_tokens
-            req.status = RUNNING
-            req.append(5)
-        a.request_id = "".join(["a", "1"])  # equal, another str object
-        for _ in range(6):
-            for mgr in managers:
-                for req in (a, b):
-                    log.append(outcome(mgr.allocate_slots, req, 1, num_lookahead_tokens=1))
-            for req in (a, b):
-                req.num_computed_tokens += 1
-                req.append(6)
-        for mgr in managers:
-            log.append((mgr.get_block_ids("a1"), mgr.get_block_ids("b")))
-            mgr.free(a)
-            again: Any = cls("a1", list(range(30, 37)), hasher)  # the id reused
-            log.append(outcome(mgr.allocate_slots, again, again.num_tokens))
-            log.append(outcome(mgr.allocate_slots, b, 1))
-            log.append((mgr.get_block_ids("a1"), mgr.get_block_ids("b")))
-            mgr.free(b)
-            mgr.free(again)
-            log.append(mgr.block_pool.get_num_free_blocks())
-        return log
-
     def managers() -> list[KVCacheManager]:
         return [plain_manager(True, SlottedPlainManager), plain_manager(False, SlottedPlainManager)]
 
     ours = managers()
-    assert scenario(ours, SlottedPlainRequest) == scenario(managers(), SlottedDuckRequest)
+    assert hint_scenario(ours, SlottedPlainRequest, hasher) == hint_scenario(
+        managers(), SlottedDuckRequest, hasher
+    )
     assert [m._num_plain_hints for m in ours] == [0, 0]
 
 
