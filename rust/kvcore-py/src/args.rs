@@ -210,7 +210,7 @@ fn each_exact_i64(
     end: usize,
     mut f: impl FnMut(i64),
 ) -> bool {
-    if start > end || end > list.len() {
+    if start > end || end > list_len(list) {
         return false;
     }
     let py = list.py();
@@ -255,6 +255,19 @@ fn each_exact_i64(
 /// Whether [`each_exact_i64`] reads a list's items from its item array ([`list_items_311`]): set at
 /// module import by [`probe_ints`].
 static LISTS_ARE_311: AtomicBool = AtomicBool::new(false);
+
+/// The length of a list, read from its header: `Py_SIZE`, a list's `ob_size`, which is its
+/// length (pyo3's `len()` calls `PyList_Size` through the limited API, a call into CPython and
+/// its code's cache lines on every decode call).
+#[inline(always)]
+pub(crate) fn list_len(list: &Bound<'_, PyList>) -> usize {
+    #[allow(unsafe_code)]
+    // SAFETY: `list` is a live list (any subclass shares its layout) and the GIL is held;
+    // `PyVarObject`'s header is part of the stable ABI, and a list's `ob_size` is its length,
+    // never negative.
+    let n = unsafe { pyo3::ffi::Py_SIZE(list.as_ptr()) };
+    usize::try_from(n).unwrap_or(0)
+}
 
 /// `PyListObject.ob_item` in CPython 3.11 (after the variable-size object header).
 const LIST_OB_ITEM: usize = 24;

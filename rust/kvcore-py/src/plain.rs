@@ -21,7 +21,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::Borrowed;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::args::{count_of, exact_int, request_id_of, COUNT_CAP};
+use crate::args::{count_of, exact_int, list_len, request_id_of, COUNT_CAP};
 use crate::errors::invalid;
 use crate::pool::get_opt;
 use crate::sync::GilCell;
@@ -627,7 +627,7 @@ impl PlainClass {
         })
         .ok()?;
         Some(StateRead {
-            num_tokens: tokens.len(),
+            num_tokens: list_len(tokens),
             num_computed_tokens: slot_count(computed)?,
             num_prompt_tokens: if prompt { slot_count(prompt_len)? } else { 0 },
             state: StateRef {
@@ -861,7 +861,7 @@ impl<'py> PlainView<'_, 'py> {
     /// `num_tokens`: the token list's length.
     #[inline]
     pub(crate) fn num_tokens(&self) -> usize {
-        self.tokens().len()
+        list_len(self.tokens())
     }
 
     /// The fields held (reference counted), for a path that may run Python code; `None` when
@@ -1097,7 +1097,7 @@ impl<'a, 'py> Fields<'a, 'py> {
     pub(crate) fn num_tokens(&self) -> PyResult<usize> {
         match self {
             Fields::Attrs(r) => count_of(&r.getattr(intern!(r.py(), "num_tokens"))?, "num_tokens"),
-            Fields::Plain(p) => Ok(p.tokens.len()),
+            Fields::Plain(p) => Ok(list_len(&p.tokens)),
         }
     }
 
