@@ -371,7 +371,7 @@ pub fn count_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 /// As [`count_of`] for the first bad item; the iterable's own errors.
 pub fn counts_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<usize>> {
     if let Ok(list) = obj.downcast_exact::<PyList>() {
-        if let Some(values) = exact_i64s(list, 0, list.len()) {
+        if let Some(values) = exact_i64s(list, 0, list_len(list)) {
             if let Some(counts) = values
                 .into_iter()
                 .map(|v| Int::V(v).count_capped(COUNT_CAP))
@@ -382,7 +382,7 @@ pub fn counts_of(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<usize>> {
         }
         // Indexed, with the errors: an `__index__` may change the list, so its length is
         // read each time.
-        let mut out = Vec::with_capacity(list.len());
+        let mut out = Vec::with_capacity(list_len(list));
         let mut i = 0;
         while let Ok(item) = list.get_item(i) {
             out.push(count_of(&item, what)?);

@@ -22,7 +22,7 @@ pub struct PyKVCacheBlocks {
 /// A new list with the items of `group` (a list, a tuple or any iterable).
 fn copy_group<'py>(group: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
     if let Ok(list) = group.downcast::<PyList>() {
-        return Ok(list.get_slice(0, list.len()));
+        return Ok(list.get_slice(0, crate::args::list_len(list)));
     }
     if let Ok(tuple) = group.downcast::<PyTuple>() {
         return Ok(tuple.to_list());

@@ -132,7 +132,7 @@ pub(crate) fn tokens_any(obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
         return tokens_of(tuple);
     }
     let list = obj.downcast_exact::<PyList>().ok()?;
-    exact_i64s(list, 0, list.len())
+    exact_i64s(list, 0, crate::args::list_len(list))
 }
 
 pub(crate) fn py_hash<'py>(py: Python<'py>, h: &BlockHash) -> Bound<'py, PyBytes> {
@@ -234,7 +234,7 @@ pub fn hash_request_blocks<'py>(
     let mut converted: Vec<Option<Vec<Value>>> = Vec::new();
     let mut which: Vec<usize> = Vec::new();
     if let Some(list) = extras {
-        which.reserve(list.len());
+        which.reserve(crate::args::list_len(list));
         let mut last_addr = 0usize;
         for (i, e) in list.iter().enumerate() {
             let addr = e.as_ptr() as usize;

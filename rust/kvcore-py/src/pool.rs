@@ -52,7 +52,7 @@ fn block_id_of(num_blocks: usize, item: &Bound<'_, PyAny>) -> PyResult<BlockId> 
 /// pool of `num_blocks` blocks.
 pub(crate) fn extract_ids(num_blocks: usize, obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
     if let Ok(list) = obj.downcast::<PyList>() {
-        if let Some(ids) = exact_i64s(list, 0, list.len()).and_then(|values| {
+        if let Some(ids) = exact_i64s(list, 0, crate::args::list_len(list)).and_then(|values| {
             values
                 .into_iter()
                 .map(|v| in_pool(num_blocks, v))
@@ -61,7 +61,7 @@ pub(crate) fn extract_ids(num_blocks: usize, obj: &Bound<'_, PyAny>) -> PyResult
             return Ok(ids);
         }
         // With the errors (a bad id, a non-int).
-        let mut out = Vec::with_capacity(list.len());
+        let mut out = Vec::with_capacity(crate::args::list_len(list));
         for item in list.iter() {
             out.push(block_id_of(num_blocks, &item)?);
         }
@@ -289,7 +289,7 @@ pub(crate) fn seq_item<'py>(seq: &Bound<'py, PyAny>, i: usize) -> PyResult<Bound
 #[inline]
 pub(crate) fn seq_len(seq: &Bound<'_, PyAny>) -> PyResult<usize> {
     if let Ok(list) = seq.downcast_exact::<PyList>() {
-        return Ok(list.len());
+        return Ok(crate::args::list_len(list));
     }
     if let Ok(tuple) = seq.downcast_exact::<PyTuple>() {
         return Ok(tuple.len());

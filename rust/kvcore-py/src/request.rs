@@ -321,7 +321,7 @@ impl PyRequestCore {
     /// The block hashes as native values, when the mirror matches the `block_hashes` list.
     pub(crate) fn mirrored_hashes(&self, py: Python<'_>) -> Option<&[BlockHash]> {
         let list = self.block_hashes.bind(py).downcast::<PyList>().ok()?;
-        (list.len() == self.mirror.len()).then_some(self.mirror.as_slice())
+        (crate::args::list_len(list) == self.mirror.len()).then_some(self.mirror.as_slice())
     }
 
     /// The token ids `range` as ints, or `None` when the range is past the end or holds a
@@ -447,7 +447,7 @@ impl PyRequestCore {
             let mut added = Vec::new();
             let mut ok = in_sync;
             if let (true, Some(list), Some(before)) = (ok, list, before) {
-                for i in before..list.len() {
+                for i in before..crate::args::list_len(list) {
                     match to_hash(&list.get_item(i)?) {
                         Ok(h) => added.push(h),
                         Err(_) => {
@@ -546,7 +546,7 @@ pub(crate) fn prefetch_ahead(
     cast: &CoreCast,
     second: impl FnOnce(&PyRequestCore),
 ) {
-    let n = list.len();
+    let n = crate::args::list_len(list);
     if i + AHEAD < n {
         // The whole object: pyo3 keeps the borrow flag after the struct, on its last line.
         prefetch_lines(list_item_addr(list, i + AHEAD), OBJECT_LINES);
