@@ -756,6 +756,13 @@ impl Coordinator {
             }
             return Ok(());
         }
+        self.check_new_computed_blocks(
+            pool,
+            id,
+            hits,
+            num_local_computed_tokens,
+            num_external_computed_tokens,
+        )?;
         for (i, g) in self.groups.iter_mut().enumerate() {
             let h = hits.and_then(|h| h.get(i)).map_or(&[][..], Vec::as_slice);
             g.add_local_computed_blocks(
@@ -775,6 +782,33 @@ impl Coordinator {
                     num_external_computed_tokens,
                 )?;
             }
+        }
+        Ok(())
+    }
+
+    /// Every group's refusal of [`Self::allocate_new_computed_blocks`] for a request that is
+    /// not running, found before any group changes (a later group's refusal would otherwise
+    /// leave an earlier group's hits touched).
+    ///
+    /// # Errors
+    /// The groups' ([`SingleTypeManager::check_local_computed_blocks`]).
+    pub fn check_new_computed_blocks(
+        &self,
+        pool: &BlockPool,
+        id: &str,
+        hits: Option<&[Vec<BlockId>]>,
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+    ) -> Result<(), PoolError> {
+        for (i, g) in self.groups.iter().enumerate() {
+            let h = hits.and_then(|h| h.get(i)).map_or(&[][..], Vec::as_slice);
+            g.check_local_computed_blocks(
+                pool,
+                id,
+                h,
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+            )?;
         }
         Ok(())
     }
@@ -1418,6 +1452,9 @@ impl Coordinator {
                 req.id
             ))
             .into());
+        }
+        if computed && !running {
+            self.check_new_computed_blocks(pool, req.id, hits, local, ext)?;
         }
         // What the allocation takes off the free queue (and the groups' refusals), known
         // before anything changes, where STM-2's count may be short of it.

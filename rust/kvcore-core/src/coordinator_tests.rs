@@ -862,3 +862,50 @@ fn a_noop_call_changes_nothing() {
         assert!(!full_and(kind, &mut p, 1024).noop_possible());
     }
 }
+
+/// Everything an `allocate_slots` that fails must leave as it was.
+fn observable(
+    m: &Coordinator,
+    p: &BlockPool,
+    id: &str,
+) -> (Vec<Vec<BlockId>>, Vec<bool>, Vec<BlockId>) {
+    (
+        m.blocks(id).iter().map(|b| b.to_vec()).collect(),
+        m.groups.iter().map(|g| g.tables.contains(id)).collect(),
+        p.all_free_block_ids(),
+    )
+}
+
+/// Fuzz find (manager target): hits refused by a later group (here: given with caching off)
+/// used to leave the earlier groups' entries created; every group's refusal now comes first.
+#[test]
+fn hits_refused_in_a_later_group_change_nothing() {
+    let mut p = BlockPool::new(10, false, 16, false).unwrap();
+    let mut m = Coordinator::new(
+        &mut p,
+        CoordinatorConfig {
+            mode: Mode::NoPrefixCache,
+            groups: vec![
+                group(Kind::Full, 16, 0, 16, false),
+                group(Kind::Full, 16, 1, 16, false),
+            ],
+            eagle_groups: vec![false, false],
+            attention_groups: Vec::new(),
+            max_model_len: 1024,
+            watermark_blocks: 0,
+            scheduler_block_size: 16,
+            retention_interval: None,
+        },
+    )
+    .unwrap();
+    let before = observable(&m, &p, "r");
+    let hits = vec![vec![], vec![3]];
+    let args = AllocateArgs {
+        num_new_computed_tokens: 0,
+        new_computed_blocks: Some(&hits),
+        ..new_tokens(16)
+    };
+    let e = try_alloc(&mut m, &mut p, req("r", 0, 16), args).unwrap_err();
+    assert!(matches!(e, PoolError::Invariant(_)), "{e}");
+    assert_eq!(observable(&m, &p, "r"), before);
+}

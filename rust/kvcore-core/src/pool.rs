@@ -1032,6 +1032,24 @@ impl BlockPool {
     /// [`PoolError::BlockOutOfRange`], or [`PoolError::NotFreeNorReferenced`] for a block with
     /// `ref_cnt == 0` outside the queue. All ids are checked before anything changes.
     pub fn touch(&mut self, blocks: &[BlockId]) -> Result<(), PoolError> {
+        self.check_touch(blocks)?;
+        for &b in blocks {
+            if self.nodes[b as usize].ref_cnt == 0 && b != 0 {
+                self.dequeue(b);
+            }
+            self.nodes[b as usize].ref_cnt += 1;
+        }
+        if let Some(ops) = &mut self.block_ops {
+            ops.extend(blocks.iter().map(|&b| BlockOp::Accessed(b)));
+        }
+        Ok(())
+    }
+
+    /// [`Self::touch`]'s refusals, without changing anything.
+    ///
+    /// # Errors
+    /// As [`Self::touch`].
+    pub fn check_touch(&self, blocks: &[BlockId]) -> Result<(), PoolError> {
         self.check_ids(blocks)?;
         for &b in blocks {
             let rc = self.nodes[b as usize].ref_cnt;
@@ -1043,15 +1061,6 @@ impl BlockPool {
                     "reference count of block {b} would overflow"
                 )));
             }
-        }
-        for &b in blocks {
-            if self.nodes[b as usize].ref_cnt == 0 && b != 0 {
-                self.dequeue(b);
-            }
-            self.nodes[b as usize].ref_cnt += 1;
-        }
-        if let Some(ops) = &mut self.block_ops {
-            ops.extend(blocks.iter().map(|&b| BlockOp::Accessed(b)));
         }
         Ok(())
     }

@@ -480,13 +480,48 @@ impl SingleTypeManager {
         num_local_computed_tokens: usize,
         num_external_computed_tokens: usize,
     ) -> Result<(), PoolError> {
+        let Some(skipped) = self.check_local_computed_blocks(
+            pool,
+            id,
+            hits,
+            num_local_computed_tokens,
+            num_external_computed_tokens,
+        )?
+        else {
+            return Ok(());
+        };
+        let hits = &hits[skipped.min(hits.len())..];
+        if self.enable_caching {
+            pool.touch(hits)?;
+        }
+        let e = self.tables.entry(id);
+        e.blocks.resize(skipped, NULL);
+        e.blocks.extend_from_slice(hits);
+        e.num_cached = Some(e.blocks.len());
+        Ok(())
+    }
+
+    /// [`Self::add_local_computed_blocks`]'s refusals, without changing anything: the number
+    /// of leading blocks outside the window (null in the table), or `None` for a
+    /// cross-attention group (it takes no hits and holds nothing for them).
+    ///
+    /// # Errors
+    /// As [`Self::add_local_computed_blocks`].
+    pub fn check_local_computed_blocks(
+        &self,
+        pool: &BlockPool,
+        id: &str,
+        hits: &[BlockId],
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+    ) -> Result<Option<usize>, PoolError> {
         if self.kind == Kind::CrossAttention {
             if !hits.is_empty() {
                 return Err(PoolError::Invariant(
                     "cross-attention has no prefix hits".into(),
                 ));
             }
-            return Ok(());
+            return Ok(None);
         }
         if !self.blocks(id).is_empty() {
             return Err(PoolError::Invariant(format!(
@@ -498,17 +533,13 @@ impl SingleTypeManager {
         self.check_table_len(skipped)?;
         let hits = &hits[skipped.min(hits.len())..];
         if self.enable_caching {
-            pool.touch(hits)?;
+            pool.check_touch(hits)?;
         } else if !hits.is_empty() {
             return Err(PoolError::Invariant(
                 "prefix hits given while prefix caching is off".into(),
             ));
         }
-        let e = self.tables.entry(id);
-        e.blocks.resize(skipped, NULL);
-        e.blocks.extend_from_slice(hits);
-        e.num_cached = Some(e.blocks.len());
-        Ok(())
+        Ok(Some(skipped))
     }
 
     /// STM-5: blocks for the tokens a KV connector computed.
