@@ -775,17 +775,12 @@ impl Harness {
                     assert_eq!(before, after, "a refused allocation changed something");
                 }
             }
-            Err(
-                e @ (PoolError::Invalid(_)
-                | PoolError::Invariant(_)
-                | PoolError::NotEnoughFreeBlocks { .. }),
-            ) => {
+            Err(e) => {
                 assert_eq!(
                     before, after,
                     "allocate_slots failed ({e}) and changed something"
                 );
             }
-            Err(_) => {}
         }
         self.remember_hint(id);
         result
@@ -1301,10 +1296,12 @@ impl Harness {
                 let num_tokens = num_tokens.get();
                 let hits = self.hits(&hits, req, num_tokens);
                 let num_hashes = self.hashes(req, num_tokens, None).len();
+                // Not `held`: the lengths an allocation is about to leave.
+                let lens = vec![num_tokens; ng];
                 let _ = self.coord.check_cacheable(
                     request_id(req),
                     num_tokens,
-                    held,
+                    (!held).then_some(&lens[..]),
                     hits.as_ref().map(|h| h.0.as_slice()),
                     num_hashes,
                 );

@@ -15,7 +15,10 @@ use crate::events::{MetaRequest, StoredMeta};
 use crate::hash::BlockHash;
 use crate::pool::retention::Retention;
 use crate::pool::{BlockId, BlockPool, HashSource};
-use crate::single_type::{GroupConfig, HashList, HashView, HitBlocks, Kind, SingleTypeManager};
+use crate::single_type::{
+    cross_attention_caches_nothing, GroupConfig, HashList, HashView, HitBlocks, Kind,
+    SingleTypeManager,
+};
 use crate::tables::HintCell;
 
 #[inline]
@@ -919,8 +922,10 @@ impl Coordinator {
     }
 
     /// Refuses, before anything changes, where [`Self::cache_blocks`] would fail part-way: a
-    /// group caching `f` full blocks needs `f` blocks (when `held`) and `f` hashes at its
-    /// block size. `hits` count as cached for a request that is not running (STM-4).
+    /// group caching `f` full blocks needs `f` blocks and `f` hashes at its block size, and
+    /// a cross-attention group caches nothing. The blocks are the request's tables' (`lens`
+    /// `None`) or, per group, the table lengths an allocation is about to leave. `hits` count
+    /// as cached for a request that is not running (STM-4).
     ///
     /// # Errors
     /// [`PoolError::MissingBlocks`] or [`PoolError::Invalid`].
@@ -928,7 +933,7 @@ impl Coordinator {
         &self,
         id: &str,
         num_computed_tokens: usize,
-        held: bool,
+        lens: Option<&[usize]>,
         hits: Option<&[Vec<BlockId>]>,
         num_hashes: usize,
     ) -> Result<(), PoolError> {
@@ -943,14 +948,18 @@ impl Coordinator {
             if cached >= full {
                 continue;
             }
-            if held {
-                let have = entry.map_or(0, |r| r.blocks.len());
-                if have < full {
-                    return Err(PoolError::MissingBlocks(format!(
-                        "request {id} holds {have} blocks in group {i}, fewer than the {full} \
-                         full ones"
-                    )));
-                }
+            if g.kind() == Kind::CrossAttention {
+                return Err(cross_attention_caches_nothing());
+            }
+            let have = match lens {
+                Some(l) => l[i],
+                None => entry.map_or(0, |r| r.blocks.len()),
+            };
+            if have < full {
+                return Err(PoolError::MissingBlocks(format!(
+                    "request {id} holds {have} blocks in group {i}, fewer than the {full} full \
+                     ones"
+                )));
             }
             if num_hashes / (bs / self.hash_block_size).max(1) < full {
                 return Err(PoolError::Invalid(format!(
@@ -1093,7 +1102,7 @@ impl Coordinator {
     /// What an allocation takes off the free queue, known before anything changes: the hits it
     /// touches there (STM-4) and the blocks the external tokens (STM-5) and the new slots
     /// (STM-3, with MAMBA-5) take, with the groups' refusals of the counts
-    /// ([`SingleTypeManager::new_blocks_needed`]).
+    /// ([`SingleTypeManager::new_blocks_needed`]); and each group's table length after it.
     #[allow(clippy::too_many_arguments)]
     fn blocks_taken(
         &self,
@@ -1106,10 +1115,11 @@ impl Coordinator {
         main: usize,
         num_encoder_tokens: usize,
         computed: bool,
-    ) -> Result<usize, PoolError> {
+    ) -> Result<(usize, Vec<usize>), PoolError> {
         let running = self.is_running(id);
         let mut touched: Vec<BlockId> = Vec::new();
         let mut pops = 0usize;
+        let mut lens = Vec::with_capacity(self.groups.len());
         for (i, g) in self.groups.iter().enumerate() {
             let bs = g.block_size();
             let mut length = g.blocks(id).len();
@@ -1135,11 +1145,13 @@ impl Coordinator {
                 }
             }
             let n = if cross { num_encoder_tokens } else { need_slot };
-            pops = pops.saturating_add(g.new_blocks_needed(id, length, n, main)?);
+            let (new, len) = g.new_blocks_needed(id, length, n, main)?;
+            pops = pops.saturating_add(new);
+            lens.push(len);
         }
         touched.sort_unstable();
         touched.dedup();
-        Ok(pops.saturating_add(touched.len()))
+        Ok((pops.saturating_add(touched.len()), lens))
     }
 
     /// One group's part of a running call: its slot (a stale hint is refreshed now, the entry
@@ -1296,7 +1308,11 @@ impl Coordinator {
         }
         if fills {
             let num_hashes = (hashes.len)()?;
-            self.check_cacheable(req.id, to_cache, false, None, num_hashes)?;
+            let mut lens = [0usize; MAX_RUNNING_GROUPS];
+            for (l, s) in lens.iter_mut().zip(steps) {
+                *l = s.want.max(s.have);
+            }
+            self.check_cacheable(req.id, to_cache, Some(&lens[..n]), None, num_hashes)?;
         }
         for &i in &self.skippers {
             self.groups[i].remove_skipped_at(
@@ -1458,7 +1474,7 @@ impl Coordinator {
         }
         // What the allocation takes off the free queue (and the groups' refusals), known
         // before anything changes, where STM-2's count may be short of it.
-        let taken = if ext > 0 || !self.exact_count {
+        let taken = if ext > 0 || !self.exact_count || caching {
             Some(self.blocks_taken(
                 pool,
                 req.id,
@@ -1473,10 +1489,16 @@ impl Coordinator {
         } else {
             None
         };
-        if caching {
-            let num_hashes = (hashes.len)()?;
-            self.check_cacheable(req.id, to_cache, false, hits, num_hashes)?;
-        }
+        let taken = match taken {
+            Some((pops, lens)) => {
+                if caching {
+                    let num_hashes = (hashes.len)()?;
+                    self.check_cacheable(req.id, to_cache, Some(&lens), hits, num_hashes)?;
+                }
+                Some(pops)
+            }
+            None => None,
+        };
         if args.full_sequence_must_fit {
             let full = req.num_tokens.min(mml);
             let need = self.get_num_blocks_to_allocate(

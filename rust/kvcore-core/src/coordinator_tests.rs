@@ -909,3 +909,29 @@ fn hits_refused_in_a_later_group_change_nothing() {
     assert!(matches!(e, PoolError::Invariant(_)), "{e}");
     assert_eq!(observable(&m, &p, "r"), before);
 }
+
+/// Fuzz find (manager target, every error checked): tokens to cache beyond `max_model_len`
+/// (a request longer than the model allows) were found missing blocks only after the
+/// allocation; the refusal now comes first.
+#[test]
+fn caching_beyond_the_allocation_is_refused_first() {
+    let mut p = BlockPool::new(10, true, 16, false).unwrap();
+    let mut m = unitary(&mut p, 48, 0, false);
+    let hashes: Vec<BlockHash> = (0..29).map(h).collect();
+    let before = observable(&m, &p, "r");
+    let mut get = |i: usize| -> Result<BlockHash, PoolError> { Ok(hashes[i]) };
+    let e = m
+        .allocate_slots(
+            &mut p,
+            req("r", 0, 29 * 16),
+            new_tokens(29 * 16),
+            HashSource {
+                len: &mut || Ok(hashes.len()),
+                get: &mut get,
+            },
+            &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+        )
+        .unwrap_err();
+    assert!(matches!(e, PoolError::MissingBlocks(_)), "{e}");
+    assert_eq!(observable(&m, &p, "r"), before);
+}

@@ -265,6 +265,11 @@ impl Iterator for HashRange<'_> {
 /// Per-group hit block ids, as a hit search returns them.
 pub type HitBlocks = Vec<Vec<BlockId>>;
 
+/// The refusal to cache a cross-attention group's blocks (they are never cached).
+pub(crate) fn cross_attention_caches_nothing() -> PoolError {
+    PoolError::Invalid("cross-attention blocks are never cached; disable prefix caching".into())
+}
+
 /// The manager of one KV-cache group (SPEC STM-1..12 with the type's rules).
 #[derive(Debug, Clone)]
 pub struct SingleTypeManager {
@@ -585,7 +590,7 @@ impl SingleTypeManager {
     /// [`Self::allocate_new_blocks`] takes off the free queue for these counts once the
     /// request's table holds `have` blocks, and its refusals (an align-mode table longer than a
     /// sequence allows, a step placing more blocks than align mode allows), so that a caller
-    /// can refuse before any group changes.
+    /// can refuse before any group changes; with the table's length after the allocation.
     ///
     /// # Errors
     /// [`PoolError::Invalid`], [`PoolError::Invariant`], as `allocate_new_blocks` would.
@@ -595,12 +600,17 @@ impl SingleTypeManager {
         have: usize,
         num_tokens: usize,
         num_tokens_main_model: usize,
-    ) -> Result<usize, PoolError> {
+    ) -> Result<(usize, usize), PoolError> {
         match self.mamba_params() {
             Some((true, ns)) => Ok(self
                 .align_step(id, have, num_tokens_main_model, ns)?
-                .map_or(0, |s| s.new)),
-            _ => Ok(self.growth_target(num_tokens).saturating_sub(have)),
+                .map_or((0, have), |s| {
+                    (s.new, s.prev.max(s.skipped) + s.moves + s.new)
+                })),
+            _ => {
+                let target = self.growth_target(num_tokens);
+                Ok((target.saturating_sub(have), have.max(target)))
+            }
         }
     }
 
@@ -828,10 +838,7 @@ impl SingleTypeManager {
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<(), E> {
         if self.kind == Kind::CrossAttention {
-            return Err(PoolError::Invalid(
-                "cross-attention blocks are never cached; disable prefix caching".into(),
-            )
-            .into());
+            return Err(cross_attention_caches_nothing().into());
         }
         let bs = self.block_size;
         let (cached, held) = slot.map_or((0, 0), |s| {
