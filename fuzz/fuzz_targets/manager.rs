@@ -1342,7 +1342,8 @@ impl Harness {
                     waiting_or_preempted: false,
                     hints: &[],
                 };
-                let _ = self.coord.cache_blocks(
+                let before = self.state();
+                let r = self.coord.cache_blocks(
                     &mut self.pool,
                     &view,
                     num_tokens,
@@ -1352,6 +1353,13 @@ impl Harness {
                     },
                     &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
                 );
+                if let Err(e) = r {
+                    assert_eq!(
+                        before,
+                        self.state(),
+                        "cache_blocks failed ({e}) and changed something"
+                    );
+                }
             }
             Op::CoordAddComputed {
                 req,
@@ -1361,13 +1369,21 @@ impl Harness {
             } => {
                 self.sims[usize::from(req) % NUM_REQUESTS].clean = false;
                 let hits = self.hits(&hits, req, 1 << 20);
-                let _ = self.coord.allocate_new_computed_blocks(
+                let before = self.state();
+                let r = self.coord.allocate_new_computed_blocks(
                     &mut self.pool,
                     request_id(req),
                     hits.as_ref().map(|h| h.0.as_slice()),
                     local.get(),
                     external.get(),
                 );
+                if let Err(e) = r {
+                    assert_eq!(
+                        before,
+                        self.state(),
+                        "allocate_new_computed_blocks failed ({e}) and changed something"
+                    );
+                }
             }
             Op::CoordAllocNew {
                 req,

@@ -741,7 +741,9 @@ impl Coordinator {
     /// external tokens; a running one is left alone.
     ///
     /// # Errors
-    /// [`PoolError::Invariant`] for hits given to a running request; the groups' errors.
+    /// [`PoolError::Invariant`] for hits given to a running request; the groups' refusals
+    /// ([`Self::check_new_computed_blocks`]); [`PoolError::NotEnoughFreeBlocks`] when the hits
+    /// and the external tokens' blocks take more than are free. Nothing changes then.
     pub fn allocate_new_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
@@ -766,6 +768,21 @@ impl Coordinator {
             num_local_computed_tokens,
             num_external_computed_tokens,
         )?;
+        let mut lens = vec![0; self.groups.len()];
+        let taken = self.computed_taken(
+            pool,
+            hits,
+            num_local_computed_tokens.saturating_add(num_external_computed_tokens),
+            num_external_computed_tokens,
+            &mut lens,
+        );
+        let free = pool.get_num_free_blocks();
+        if taken > free {
+            return Err(PoolError::NotEnoughFreeBlocks {
+                requested: taken,
+                free,
+            });
+        }
         for (i, g) in self.groups.iter_mut().enumerate() {
             let h = hits.and_then(|h| h.get(i)).map_or(&[][..], Vec::as_slice);
             g.add_local_computed_blocks(
@@ -865,8 +882,23 @@ impl Coordinator {
     /// request's hash list at the hash block size.
     ///
     /// # Errors
-    /// The groups' caching errors (see [`SingleTypeManager::cache_blocks`]).
+    /// [`Self::check_cacheable`]'s refusals, before anything changes; the groups' caching
+    /// errors (see [`SingleTypeManager::cache_blocks`]).
     pub fn cache_blocks<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &RequestView<'_>,
+        num_computed_tokens: usize,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<(), E> {
+        let num_hashes = (hashes.len)()?;
+        self.check_cacheable(req.id, num_computed_tokens, None, None, num_hashes)?;
+        self.cache_checked(pool, req, num_computed_tokens, hashes, meta)
+    }
+
+    /// [`Self::cache_blocks`] once [`Self::check_cacheable`] passed.
+    fn cache_checked<E: From<PoolError>>(
         &mut self,
         pool: &mut BlockPool,
         req: &RequestView<'_>,
@@ -1100,8 +1132,8 @@ impl Coordinator {
     }
 
     /// What an allocation takes off the free queue, known before anything changes: the hits it
-    /// touches there (STM-4) and the blocks the external tokens (STM-5) and the new slots
-    /// (STM-3, with MAMBA-5) take, with the groups' refusals of the counts
+    /// touches there and the external tokens' blocks ([`Self::computed_taken`]) and the blocks
+    /// the new slots (STM-3, with MAMBA-5) take, with the groups' refusals of the counts
     /// ([`SingleTypeManager::new_blocks_needed`]); and each group's table length after it.
     #[allow(clippy::too_many_arguments)]
     fn blocks_taken(
@@ -1116,42 +1148,61 @@ impl Coordinator {
         num_encoder_tokens: usize,
         computed: bool,
     ) -> Result<(usize, Vec<usize>), PoolError> {
-        let running = self.is_running(id);
+        let mut lens: Vec<usize> = self.groups.iter().map(|g| g.blocks(id).len()).collect();
+        let mut pops = if computed && !self.is_running(id) {
+            self.computed_taken(pool, hits, total, ext, &mut lens)
+        } else {
+            0
+        };
+        for (g, len) in self.groups.iter().zip(&mut lens) {
+            let n = if g.kind() == Kind::CrossAttention {
+                num_encoder_tokens
+            } else {
+                need_slot
+            };
+            let (new, after) = g.new_blocks_needed(id, *len, n, main)?;
+            pops = pops.saturating_add(new);
+            *len = after;
+        }
+        Ok((pops, lens))
+    }
+
+    /// COORD-5 for a request that holds no blocks, without changing anything: the blocks its
+    /// hits (STM-4) take off the free queue (touched there) and its external tokens' blocks
+    /// (STM-5), `total` tokens computed; `lens` becomes each group's table length after them
+    /// (cross-attention groups keep theirs).
+    fn computed_taken(
+        &self,
+        pool: &BlockPool,
+        hits: Option<&[Vec<BlockId>]>,
+        total: usize,
+        ext: usize,
+        lens: &mut [usize],
+    ) -> usize {
         let mut touched: Vec<BlockId> = Vec::new();
         let mut pops = 0usize;
-        let mut lens = Vec::with_capacity(self.groups.len());
-        for (i, g) in self.groups.iter().enumerate() {
-            let bs = g.block_size();
-            let mut length = g.blocks(id).len();
-            let cross = g.kind() == Kind::CrossAttention;
-            if computed && !running && !cross {
-                let skipped_tokens = g.get_num_skipped_tokens(total);
-                let skipped = skipped_tokens / bs;
-                let h = hits.and_then(|h| h.get(i)).map_or(&[][..], Vec::as_slice);
-                let h = &h[skipped.min(h.len())..];
-                if pool.enable_caching() {
-                    touched.extend(h.iter().filter(|&&b| b != 0 && pool.ref_cnt(b) == 0));
-                }
-                length = skipped + h.len();
-                let e = if skipped_tokens > 0 {
-                    (total - skipped_tokens).min(ext)
-                } else {
-                    ext
-                };
-                if e > 0 {
-                    let n = cdiv(total, bs).saturating_sub(length);
-                    pops = pops.saturating_add(n);
-                    length += n;
-                }
+        for (i, (g, len)) in self.groups.iter().zip(lens).enumerate() {
+            if g.kind() == Kind::CrossAttention {
+                continue;
             }
-            let n = if cross { num_encoder_tokens } else { need_slot };
-            let (new, len) = g.new_blocks_needed(id, length, n, main)?;
-            pops = pops.saturating_add(new);
-            lens.push(len);
+            let bs = g.block_size();
+            let skipped_tokens = g.get_num_skipped_tokens(total);
+            let skipped = skipped_tokens / bs;
+            let h = hits.and_then(|h| h.get(i)).map_or(&[][..], Vec::as_slice);
+            let h = &h[skipped.min(h.len())..];
+            if pool.enable_caching() {
+                touched.extend(h.iter().filter(|&&b| b != 0 && pool.ref_cnt(b) == 0));
+            }
+            *len = skipped + h.len();
+            if g.external_tokens(total, ext) > 0 {
+                let n = cdiv(total, bs).saturating_sub(*len);
+                pops = pops.saturating_add(n);
+                *len += n;
+            }
         }
         touched.sort_unstable();
         touched.dedup();
-        Ok((pops.saturating_add(touched.len()), lens))
+        pops.saturating_add(touched.len())
     }
 
     /// One group's part of a running call: its slot (a stale hint is refreshed now, the entry
@@ -1553,7 +1604,7 @@ impl Coordinator {
         let new =
             self.allocate_new_blocks(pool, req.id, need_slot, main, args.num_encoder_tokens)?;
         if caching {
-            self.cache_blocks(pool, &req, to_cache, hashes, meta)?;
+            self.cache_checked(pool, &req, to_cache, hashes, meta)?;
         }
         self.refresh_hints(&req);
         Ok(Some(new))

@@ -935,3 +935,56 @@ fn caching_beyond_the_allocation_is_refused_first() {
     assert!(matches!(e, PoolError::MissingBlocks(_)), "{e}");
     assert_eq!(observable(&m, &p, "r"), before);
 }
+
+/// Fuzz find (manager target): external tokens' blocks that fit one group but not the next
+/// used to leave the first group's blocks taken; the count is checked first.
+#[test]
+fn external_blocks_that_do_not_fit_change_nothing() {
+    let mut p = BlockPool::new(5, true, 16, false).unwrap();
+    let mut m = full_and(Kind::Full, &mut p, 1024);
+    let before = observable(&m, &p, "r");
+    let e = m
+        .allocate_new_computed_blocks(&mut p, "r", None, 0, 48)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            PoolError::NotEnoughFreeBlocks {
+                requested: 6,
+                free: 4
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(observable(&m, &p, "r"), before);
+    m.allocate_new_computed_blocks(&mut p, "r", None, 0, 32)
+        .unwrap();
+    assert_eq!(m.blocks("r"), vec![&[1, 2][..], &[3, 4][..]]);
+}
+
+/// Fuzz find (manager target): caching that a later group refuses (it holds too few blocks)
+/// used to leave the earlier groups' blocks cached; every group's refusal comes first.
+#[test]
+fn caching_refused_by_a_later_group_changes_nothing() {
+    let mut p = BlockPool::new(10, true, 16, false).unwrap();
+    let mut m = full_and(Kind::Full, &mut p, 1024);
+    m.groups[0]
+        .allocate_new_blocks(&mut p, "r", 32, 32)
+        .unwrap();
+    let hashes = [h(1), h(2)];
+    let mut get = |i: usize| -> Result<BlockHash, PoolError> { Ok(hashes[i]) };
+    let e = m
+        .cache_blocks(
+            &mut p,
+            &req("r", 32, 32),
+            32,
+            HashSource {
+                len: &mut || Ok(hashes.len()),
+                get: &mut get,
+            },
+            &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+        )
+        .unwrap_err();
+    assert!(matches!(e, PoolError::MissingBlocks(_)), "{e}");
+    assert_eq!(p.num_cached_keys(), 0);
+}

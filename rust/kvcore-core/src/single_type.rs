@@ -562,16 +562,22 @@ impl SingleTypeManager {
             return Ok(());
         }
         let total = num_local_computed_tokens.saturating_add(num_external_computed_tokens);
-        let skipped = self.get_num_skipped_tokens(total);
-        let mut ext = num_external_computed_tokens;
-        if skipped > 0 {
-            ext = ext.min(total - skipped);
-        }
-        if ext == 0 {
+        if self.external_tokens(total, num_external_computed_tokens) == 0 {
             return Ok(());
         }
         self.grow_to(pool, id, cdiv(total, self.block_size))
             .map(|_| ())
+    }
+
+    /// STM-5: of `ext` external tokens among `total` computed ones, those this group keeps
+    /// blocks for (inside its window).
+    pub(crate) fn external_tokens(&self, total: usize, ext: usize) -> usize {
+        let skipped = self.get_num_skipped_tokens(total);
+        if skipped > 0 {
+            ext.min(total - skipped)
+        } else {
+            ext
+        }
     }
 
     /// Refuses a table of `len` entries beyond the longest a sequence has (the reference would

@@ -1616,8 +1616,6 @@ impl PyManagerCore {
         let mut meta =
             |req: &MetaRequest<'_>| -> Result<StoredMeta, Error> { Ok(source.meta(req)?) };
         let mut core = me.lock(py)?;
-        core.check_cacheable(&id, n, None, None, len)
-            .map_err(to_pyerr)?;
         let view = RequestView {
             id: &id,
             num_computed_tokens: 0,
