@@ -16,7 +16,7 @@ use crate::hash::BlockHash;
 use crate::pool::retention::Retention;
 use crate::pool::{BlockId, BlockPool, HashSource};
 use crate::single_type::{
-    cross_attention_caches_nothing, GroupConfig, HashList, HashView, HitBlocks, Kind,
+    cross_attention_caches_nothing, GroupCache, GroupConfig, HashList, HashView, HitBlocks, Kind,
     SingleTypeManager,
 };
 use crate::tables::HintCell;
@@ -907,28 +907,37 @@ impl Coordinator {
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<(), E> {
         let hashes = RefCell::new(hashes);
+        let mut ready = Vec::with_capacity(self.groups.len());
         for i in 0..self.groups.len() {
             let n = self.cache_length(i, num_computed_tokens);
             let slot = self.groups[i].tables.slot_of(req.id);
-            self.cache_group(pool, i, slot, req, n, &hashes, meta)?;
+            if let Some(c) = self.prepare_group(pool, i, slot, req, n, &hashes, meta)? {
+                ready.push((i, c));
+            }
+        }
+        for (i, c) in ready {
+            self.groups[i].commit_cache(pool, c);
         }
         Ok(())
     }
 
-    /// Caches group `i` up to `n` tokens, reading the hashes at its block size; `slot` is the
-    /// request's entry in the group's tables (`None`: it has none).
+    /// Reads and checks group `i`'s caching up to `n` tokens, at its block size, without
+    /// changing anything (`None`: nothing to cache); `slot` is the request's entry in the
+    /// group's tables (`None`: it has none). Every group is read before any is stored
+    /// ([`SingleTypeManager::commit_cache`]), so that a later group's failure (a hash or the
+    /// event metadata that cannot be read) leaves the earlier ones unchanged.
     #[allow(clippy::too_many_arguments)]
-    fn cache_group<E: From<PoolError>>(
-        &mut self,
-        pool: &mut BlockPool,
+    fn prepare_group<E: From<PoolError>>(
+        &self,
+        pool: &BlockPool,
         i: usize,
         slot: Option<u32>,
         req: &RequestView<'_>,
         n: usize,
         hashes: &RefCell<HashSource<'_, E>>,
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
-    ) -> Result<(), E> {
-        let g = &mut self.groups[i];
+    ) -> Result<Option<GroupCache>, E> {
+        let g = &self.groups[i];
         let k = (g.block_size() / self.hash_block_size).max(1);
         let mut len = || -> Result<usize, E> {
             let mut h = hashes.borrow_mut();
@@ -938,7 +947,7 @@ impl Coordinator {
             let mut h = hashes.borrow_mut();
             (h.get)((j + 1) * k - 1)
         };
-        g.cache_blocks_in(
+        g.prepare_cache(
             pool,
             req.id,
             slot,
@@ -1390,8 +1399,22 @@ impl Coordinator {
         }
         if fills {
             let hashes = RefCell::new(hashes);
+            let mut ready: [Option<GroupCache>; MAX_RUNNING_GROUPS] = Default::default();
             for (i, step) in steps.iter().enumerate().filter(|(_, s)| s.fills) {
-                self.cache_group(pool, i, Some(step.slot), req, step.cache_len, &hashes, meta)?;
+                ready[i] = self.prepare_group(
+                    pool,
+                    i,
+                    Some(step.slot),
+                    req,
+                    step.cache_len,
+                    &hashes,
+                    meta,
+                )?;
+            }
+            for (g, c) in self.groups.iter_mut().zip(ready) {
+                if let Some(c) = c {
+                    g.commit_cache(pool, c);
+                }
             }
         }
         Ok(Some(Some(out)))

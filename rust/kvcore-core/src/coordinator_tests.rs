@@ -988,3 +988,67 @@ fn caching_refused_by_a_later_group_changes_nothing() {
     assert!(matches!(e, PoolError::MissingBlocks(_)), "{e}");
     assert_eq!(p.num_cached_keys(), 0);
 }
+
+/// Caching reads every group's hashes (and event metadata) before storing any: a hash that
+/// only a later group reads and that cannot be read leaves the earlier groups uncached.
+#[test]
+fn a_hash_a_later_group_cannot_read_caches_nothing() {
+    let mut p = BlockPool::new(10, true, 16, true).unwrap();
+    let mut m = Coordinator::new(
+        &mut p,
+        CoordinatorConfig {
+            mode: Mode::Hybrid,
+            groups: vec![
+                group(Kind::Full, 32, 0, 32, true),
+                group(Kind::SlidingWindow { window: 1024 }, 16, 1, 32, true),
+            ],
+            eagle_groups: vec![false, false],
+            attention_groups: vec![
+                AttentionGroup {
+                    group_ids: vec![0],
+                    use_eagle: false,
+                    is_full: true,
+                },
+                AttentionGroup {
+                    group_ids: vec![1],
+                    use_eagle: false,
+                    is_full: false,
+                },
+            ],
+            max_model_len: 1024,
+            watermark_blocks: 0,
+            scheduler_block_size: 32,
+            retention_interval: None,
+        },
+    )
+    .unwrap();
+    m.allocate_new_blocks(&mut p, "r", 32, 32, 0).unwrap();
+    let hashes = [h(1), h(2)];
+    // The full group (32-token blocks) reads hash 1 only; the window group reads 0 and 1.
+    let mut get = |i: usize| -> Result<BlockHash, PoolError> {
+        if i == 0 {
+            Err(PoolError::Invalid("unreadable hash".into()))
+        } else {
+            Ok(hashes[i])
+        }
+    };
+    let e = m
+        .cache_blocks(
+            &mut p,
+            &req("r", 32, 32),
+            32,
+            HashSource {
+                len: &mut || Ok(hashes.len()),
+                get: &mut get,
+            },
+            &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+        )
+        .unwrap_err();
+    assert!(matches!(e, PoolError::Invalid(_)), "{e}");
+    assert_eq!(p.num_cached_keys(), 0);
+    assert!(!p.has_pending_events());
+    assert!(m
+        .groups
+        .iter()
+        .all(|g| g.tables.get("r").unwrap().num_cached.is_none()));
+}

@@ -151,6 +151,17 @@ pub struct HashSource<'a, E> {
     pub get: &'a mut dyn FnMut(usize) -> Result<BlockHash, E>,
 }
 
+/// The keys and events one group's [`BlockPool::cache_full_blocks`] stores, read and checked
+/// ([`BlockPool::prepare_full_blocks`]) and not yet stored.
+#[derive(Debug)]
+pub struct PreparedCache {
+    /// (position, block, key, tokens covered) per block stored.
+    stored: Vec<(usize, BlockId, BlockKey, u32)>,
+    events: Vec<(Option<BlockHash>, Vec<BlockHash>, StoredMeta)>,
+    block_size: u32,
+    group_id: u32,
+}
+
 impl BlockPool {
     /// Builds a pool of `num_blocks` blocks; block 0 becomes the null block and the free queue
     /// is `[1..num_blocks-1]` (SPEC POOL-1).
@@ -1182,15 +1193,11 @@ impl BlockPool {
         err.map_or(Ok(()), Err)
     }
 
-    /// Stores the request's newly full blocks in the prefix cache (SPEC POOL-13..17).
-    ///
-    /// `new_blocks` is `blocks[num_cached..num_full]` of the request's list for the group; `hashes` is the hash view at
-    /// `block_size` granularity (the caller builds the HBS view, SPEC RH-3). `meta` is called
-    /// once, only when events are on, with the ranges the event describes.
+    /// Stores the request's newly full blocks in the prefix cache (SPEC POOL-13..17):
+    /// [`Self::prepare_full_blocks`], then [`Self::commit_full_blocks`].
     ///
     /// # Errors
-    /// Every precondition is checked before anything changes: block ids, mask length, view
-    /// length, promotions (SPEC POOL-16), and errors returned by `hashes` or `meta`.
+    /// [`Self::prepare_full_blocks`]'s; nothing changes then.
     #[allow(clippy::too_many_arguments)]
     pub fn cache_full_blocks<E: From<PoolError>>(
         &mut self,
@@ -1203,8 +1210,39 @@ impl BlockPool {
         hashes: HashSource<'_, E>,
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<(), E> {
+        if let Some(p) = self.prepare_full_blocks(
+            new_blocks, num_cached, num_full, block_size, group_id, mask, hashes, meta,
+        )? {
+            self.commit_full_blocks(p);
+        }
+        Ok(())
+    }
+
+    /// What [`Self::cache_full_blocks`] stores, read and checked without changing anything
+    /// (`None`: nothing to store), so that a caller caching several groups can refuse before
+    /// any of them changes.
+    ///
+    /// `new_blocks` is `blocks[num_cached..num_full]` of the request's list for the group; `hashes` is the hash view at
+    /// `block_size` granularity (the caller builds the HBS view, SPEC RH-3). `meta` is called
+    /// once, only when events are on, with the ranges the event describes.
+    ///
+    /// # Errors
+    /// Every precondition: block ids, mask length, view length, promotions (SPEC POOL-16),
+    /// and errors returned by `hashes` or `meta`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_full_blocks<E: From<PoolError>>(
+        &self,
+        new_blocks: &[BlockId],
+        num_cached: usize,
+        num_full: usize,
+        block_size: usize,
+        group_id: u32,
+        mask: Option<&[bool]>,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<Option<PreparedCache>, E> {
         if num_cached >= num_full {
-            return Ok(());
+            return Ok(None);
         }
         if !block_size.is_multiple_of(self.hash_block_size) {
             return Err(PoolError::BlockSizeNotMultiple {
@@ -1298,6 +1336,22 @@ impl BlockPool {
                 events.push((parent, run.iter().map(|s| s.2.hash).collect(), meta));
             }
         }
+        Ok(Some(PreparedCache {
+            stored,
+            events,
+            block_size: block_size as u32,
+            group_id,
+        }))
+    }
+
+    /// Stores what [`Self::prepare_full_blocks`] read (nothing can fail any more).
+    pub fn commit_full_blocks(&mut self, p: PreparedCache) {
+        let PreparedCache {
+            stored,
+            events,
+            block_size,
+            group_id,
+        } = p;
         let mixes: Vec<u64> = if stored.len() > 1 {
             stored.iter().map(|s| mix(&s.2)).collect()
         } else {
@@ -1314,12 +1368,11 @@ impl BlockPool {
             self.events.push(KvEvent::BlockStored {
                 block_hashes,
                 parent_block_hash: parent,
-                block_size: block_size as u32,
+                block_size,
                 group_idx: group_id,
                 meta,
             });
         }
-        Ok(())
     }
 
     /// For router-exact events: the runs of consecutive `stored` entries whose key has no

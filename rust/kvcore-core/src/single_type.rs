@@ -14,7 +14,7 @@ use crate::error::PoolError;
 use crate::events::{MetaRequest, StoredMeta};
 use crate::hash::BlockHash;
 use crate::pool::retention::Retention;
-use crate::pool::{BlockId, BlockPool, HashSource};
+use crate::pool::{BlockId, BlockPool, HashSource, PreparedCache};
 use crate::tables::BlockTables;
 
 #[inline]
@@ -264,6 +264,16 @@ impl Iterator for HashRange<'_> {
 
 /// Per-group hit block ids, as a hit search returns them.
 pub type HitBlocks = Vec<Vec<BlockId>>;
+
+/// One group's caching, read and checked ([`SingleTypeManager::prepare_cache`]) and not yet
+/// stored.
+#[derive(Debug)]
+pub(crate) struct GroupCache {
+    slot: u32,
+    cached: usize,
+    full: usize,
+    stored: Option<PreparedCache>,
+}
 
 /// The refusal to cache a cross-attention group's blocks (they are never cached).
 pub(crate) fn cross_attention_caches_nothing() -> PoolError {
@@ -843,6 +853,38 @@ impl SingleTypeManager {
         hashes: HashSource<'_, E>,
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<(), E> {
+        if let Some(c) = self.prepare_cache(
+            pool,
+            id,
+            slot,
+            num_tokens,
+            retention_interval,
+            num_prompt_tokens,
+            hashes,
+            meta,
+        )? {
+            self.commit_cache(pool, c);
+        }
+        Ok(())
+    }
+
+    /// [`Self::cache_blocks_in`] read and checked without changing anything (`None`: nothing
+    /// to cache): [`Self::commit_cache`] stores it.
+    ///
+    /// # Errors
+    /// As [`Self::cache_blocks`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn prepare_cache<E: From<PoolError>>(
+        &self,
+        pool: &BlockPool,
+        id: &str,
+        slot: Option<u32>,
+        num_tokens: usize,
+        retention_interval: Option<usize>,
+        num_prompt_tokens: usize,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<Option<GroupCache>, E> {
         if self.kind == Kind::CrossAttention {
             return Err(cross_attention_caches_nothing().into());
         }
@@ -853,7 +895,7 @@ impl SingleTypeManager {
         });
         let full = num_tokens / bs;
         if cached >= full {
-            return Ok(());
+            return Ok(None);
         }
         // `held >= full > 0` below: the request has an entry.
         let (Some(slot), true) = (slot, held >= full) else {
@@ -864,19 +906,39 @@ impl SingleTypeManager {
         };
         let mask =
             self.reachable_block_mask(cached, full, retention_interval, num_prompt_tokens)?;
-        let gid = self.group_id();
-        let e = self.tables.at_slot_mut(slot);
-        let new = &e.blocks[cached..full];
-        pool.cache_full_blocks(new, cached, full, bs, gid, mask.as_deref(), hashes, meta)?;
+        let new = &self.tables.at_slot(slot).blocks[cached..full];
+        let stored = pool.prepare_full_blocks(
+            new,
+            cached,
+            full,
+            bs,
+            self.group_id(),
+            mask.as_deref(),
+            hashes,
+            meta,
+        )?;
+        Ok(Some(GroupCache {
+            slot,
+            cached,
+            full,
+            stored,
+        }))
+    }
+
+    /// Stores what [`Self::prepare_cache`] read; the request's table is as it was then.
+    pub(crate) fn commit_cache(&mut self, pool: &mut BlockPool, c: GroupCache) {
+        if let Some(p) = c.stored {
+            pool.commit_full_blocks(p);
+        }
+        let e = self.tables.at_slot_mut(c.slot);
         if matches!(self.kind, Kind::Mamba { .. }) {
-            for &b in new.iter().filter(|&&b| b != NULL) {
+            for &b in e.blocks[c.cached..c.full].iter().filter(|&&b| b != NULL) {
                 if let Some((k, _)) = pool.primary_key(b) {
                     self.mamba.cached_this_step.insert(k.hash);
                 }
             }
         }
-        e.num_cached = Some(full);
-        Ok(())
+        e.num_cached = Some(c.full);
     }
 
     /// Which of the blocks `start..end` caching stores (SWA-4, MAMBA-7); `None`: all.
