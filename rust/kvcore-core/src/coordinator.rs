@@ -894,18 +894,6 @@ impl Coordinator {
     ) -> Result<(), E> {
         let num_hashes = (hashes.len)()?;
         self.check_cacheable(req.id, num_computed_tokens, None, None, num_hashes)?;
-        self.cache_checked(pool, req, num_computed_tokens, hashes, meta)
-    }
-
-    /// [`Self::cache_blocks`] once [`Self::check_cacheable`] passed.
-    fn cache_checked<E: From<PoolError>>(
-        &mut self,
-        pool: &mut BlockPool,
-        req: &RequestView<'_>,
-        num_computed_tokens: usize,
-        hashes: HashSource<'_, E>,
-        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
-    ) -> Result<(), E> {
         let hashes = RefCell::new(hashes);
         let mut ready = Vec::with_capacity(self.groups.len());
         for i in 0..self.groups.len() {
@@ -1627,7 +1615,7 @@ impl Coordinator {
         let new =
             self.allocate_new_blocks(pool, req.id, need_slot, main, args.num_encoder_tokens)?;
         if caching {
-            self.cache_checked(pool, &req, to_cache, hashes, meta)?;
+            self.cache_blocks(pool, &req, to_cache, hashes, meta)?;
         }
         self.refresh_hints(&req);
         Ok(Some(new))

@@ -359,13 +359,25 @@ fn full_and(kind: Kind, p: &mut BlockPool, max_model_len: usize) -> Coordinator 
 /// A hybrid coordinator of a full-attention group and a `kind` group, both of `bs`-token
 /// blocks (the scheduler block too).
 fn full_and_sized(kind: Kind, p: &mut BlockPool, max_model_len: usize, bs: usize) -> Coordinator {
+    full_and_blocks(kind, p, max_model_len, bs, bs)
+}
+
+/// A hybrid coordinator of a full-attention group of `full_bs`-token blocks (the scheduler
+/// block too) and a `kind` group of `bs`-token blocks.
+fn full_and_blocks(
+    kind: Kind,
+    p: &mut BlockPool,
+    max_model_len: usize,
+    full_bs: usize,
+    bs: usize,
+) -> Coordinator {
     Coordinator::new(
         p,
         CoordinatorConfig {
             mode: Mode::Hybrid,
             groups: vec![
-                group(Kind::Full, bs, 0, bs, true),
-                group(kind, bs, 1, bs, true),
+                group(Kind::Full, full_bs, 0, full_bs, true),
+                group(kind, bs, 1, full_bs, true),
             ],
             eagle_groups: vec![false, false],
             attention_groups: vec![
@@ -382,7 +394,7 @@ fn full_and_sized(kind: Kind, p: &mut BlockPool, max_model_len: usize, bs: usize
             ],
             max_model_len,
             watermark_blocks: 0,
-            scheduler_block_size: bs,
+            scheduler_block_size: full_bs,
             retention_interval: None,
         },
     )
@@ -971,20 +983,7 @@ fn caching_refused_by_a_later_group_changes_nothing() {
     m.groups[0]
         .allocate_new_blocks(&mut p, "r", 32, 32)
         .unwrap();
-    let hashes = [h(1), h(2)];
-    let mut get = |i: usize| -> Result<BlockHash, PoolError> { Ok(hashes[i]) };
-    let e = m
-        .cache_blocks(
-            &mut p,
-            &req("r", 32, 32),
-            32,
-            HashSource {
-                len: &mut || Ok(hashes.len()),
-                get: &mut get,
-            },
-            &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
-        )
-        .unwrap_err();
+    let e = cache_32(&mut m, &mut p, |i| Ok(h(i as u8 + 1))).unwrap_err();
     assert!(matches!(e, PoolError::MissingBlocks(_)), "{e}");
     assert_eq!(p.num_cached_keys(), 0);
 }
@@ -994,56 +993,17 @@ fn caching_refused_by_a_later_group_changes_nothing() {
 #[test]
 fn a_hash_a_later_group_cannot_read_caches_nothing() {
     let mut p = BlockPool::new(10, true, 16, true).unwrap();
-    let mut m = Coordinator::new(
-        &mut p,
-        CoordinatorConfig {
-            mode: Mode::Hybrid,
-            groups: vec![
-                group(Kind::Full, 32, 0, 32, true),
-                group(Kind::SlidingWindow { window: 1024 }, 16, 1, 32, true),
-            ],
-            eagle_groups: vec![false, false],
-            attention_groups: vec![
-                AttentionGroup {
-                    group_ids: vec![0],
-                    use_eagle: false,
-                    is_full: true,
-                },
-                AttentionGroup {
-                    group_ids: vec![1],
-                    use_eagle: false,
-                    is_full: false,
-                },
-            ],
-            max_model_len: 1024,
-            watermark_blocks: 0,
-            scheduler_block_size: 32,
-            retention_interval: None,
-        },
-    )
-    .unwrap();
+    let mut m = full_and_blocks(Kind::SlidingWindow { window: 1024 }, &mut p, 1024, 32, 16);
     m.allocate_new_blocks(&mut p, "r", 32, 32, 0).unwrap();
-    let hashes = [h(1), h(2)];
     // The full group (32-token blocks) reads hash 1 only; the window group reads 0 and 1.
-    let mut get = |i: usize| -> Result<BlockHash, PoolError> {
+    let e = cache_32(&mut m, &mut p, |i| {
         if i == 0 {
             Err(PoolError::Invalid("unreadable hash".into()))
         } else {
-            Ok(hashes[i])
+            Ok(h(2))
         }
-    };
-    let e = m
-        .cache_blocks(
-            &mut p,
-            &req("r", 32, 32),
-            32,
-            HashSource {
-                len: &mut || Ok(hashes.len()),
-                get: &mut get,
-            },
-            &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
-        )
-        .unwrap_err();
+    })
+    .unwrap_err();
     assert!(matches!(e, PoolError::Invalid(_)), "{e}");
     assert_eq!(p.num_cached_keys(), 0);
     assert!(!p.has_pending_events());
@@ -1051,4 +1011,22 @@ fn a_hash_a_later_group_cannot_read_caches_nothing() {
         .groups
         .iter()
         .all(|g| g.tables.get("r").unwrap().num_cached.is_none()));
+}
+
+/// `cache_blocks` of request "r" (32 tokens) over two hashes read by `get`.
+fn cache_32(
+    m: &mut Coordinator,
+    p: &mut BlockPool,
+    mut get: impl FnMut(usize) -> Result<BlockHash, PoolError>,
+) -> Result<(), PoolError> {
+    m.cache_blocks(
+        p,
+        &req("r", 32, 32),
+        32,
+        HashSource {
+            len: &mut || Ok(2),
+            get: &mut get,
+        },
+        &mut |_: &MetaRequest<'_>| Ok(StoredMeta::default()),
+    )
 }

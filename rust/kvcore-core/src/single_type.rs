@@ -827,32 +827,6 @@ impl SingleTypeManager {
         meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
     ) -> Result<(), E> {
         let slot = self.tables.slot_of(id);
-        self.cache_blocks_in(
-            pool,
-            id,
-            slot,
-            num_tokens,
-            retention_interval,
-            num_prompt_tokens,
-            hashes,
-            meta,
-        )
-    }
-
-    /// [`Self::cache_blocks`] for the request whose entry is in `slot` (`None`: it has none),
-    /// as [`BlockTables::resolve_cell`] or [`BlockTables::slot_of`] found it.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn cache_blocks_in<E: From<PoolError>>(
-        &mut self,
-        pool: &mut BlockPool,
-        id: &str,
-        slot: Option<u32>,
-        num_tokens: usize,
-        retention_interval: Option<usize>,
-        num_prompt_tokens: usize,
-        hashes: HashSource<'_, E>,
-        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
-    ) -> Result<(), E> {
         if let Some(c) = self.prepare_cache(
             pool,
             id,
@@ -868,8 +842,10 @@ impl SingleTypeManager {
         Ok(())
     }
 
-    /// [`Self::cache_blocks_in`] read and checked without changing anything (`None`: nothing
-    /// to cache): [`Self::commit_cache`] stores it.
+    /// [`Self::cache_blocks`] for the request whose entry is in `slot` (`None`: it has none,
+    /// as [`BlockTables::resolve_cell`] or [`BlockTables::slot_of`] found it), read and
+    /// checked without changing anything (`None`: nothing to cache); [`Self::commit_cache`]
+    /// stores it.
     ///
     /// # Errors
     /// As [`Self::cache_blocks`].
