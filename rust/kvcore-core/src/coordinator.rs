@@ -783,6 +783,26 @@ impl Coordinator {
                 free,
             });
         }
+        self.add_new_computed_blocks(
+            pool,
+            id,
+            hits,
+            num_local_computed_tokens,
+            num_external_computed_tokens,
+        )
+    }
+
+    /// [`Self::allocate_new_computed_blocks`]' changes, for a caller that has made its checks
+    /// (a request not running, the groups' refusals, the blocks taken against the free ones):
+    /// the allocation, which makes them before it changes anything.
+    fn add_new_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        id: &str,
+        hits: Option<&[Vec<BlockId>]>,
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+    ) -> Result<(), PoolError> {
         for (i, g) in self.groups.iter_mut().enumerate() {
             let h = hits.and_then(|h| h.get(i)).map_or(&[][..], Vec::as_slice);
             g.add_local_computed_blocks(
@@ -894,6 +914,19 @@ impl Coordinator {
     ) -> Result<(), E> {
         let num_hashes = (hashes.len)()?;
         self.check_cacheable(req.id, num_computed_tokens, None, None, num_hashes)?;
+        self.cache_checked(pool, req, num_computed_tokens, hashes, meta)
+    }
+
+    /// [`Self::cache_blocks`] after its [`Self::check_cacheable`]: the allocation checks the
+    /// table lengths it is about to leave before it changes anything, then caches here.
+    fn cache_checked<E: From<PoolError>>(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &RequestView<'_>,
+        num_computed_tokens: usize,
+        hashes: HashSource<'_, E>,
+        meta: &mut dyn FnMut(&MetaRequest<'_>) -> Result<StoredMeta, E>,
+    ) -> Result<(), E> {
         let hashes = RefCell::new(hashes);
         let mut ready = Vec::with_capacity(self.groups.len());
         for i in 0..self.groups.len() {
@@ -1609,13 +1642,16 @@ impl Coordinator {
             }
             .into());
         }
-        if computed {
-            self.allocate_new_computed_blocks(pool, req.id, hits, local, ext)?;
+        // Checked above: the hits and external blocks (not running, the groups' refusals,
+        // what they take against the free blocks) and the caching (`check_cacheable` of the
+        // table lengths this leaves).
+        if computed && !running {
+            self.add_new_computed_blocks(pool, req.id, hits, local, ext)?;
         }
         let new =
             self.allocate_new_blocks(pool, req.id, need_slot, main, args.num_encoder_tokens)?;
         if caching {
-            self.cache_blocks(pool, &req, to_cache, hashes, meta)?;
+            self.cache_checked(pool, &req, to_cache, hashes, meta)?;
         }
         self.refresh_hints(&req);
         Ok(Some(new))
