@@ -575,6 +575,7 @@ impl PlainClass {
                 tokens.as_ptr() as usize,
                 d.lines[0],
                 d.lines[1],
+                d.lines[2],
             ];
             d
         });
@@ -668,6 +669,7 @@ impl PlainClass {
             let mut lines = [0; LINES];
             lines[0] = request.as_ptr() as usize;
             lines[4] = tokens.as_ptr() as usize;
+            lines[7] = computed.map_or(0, |c| c.as_ptr() as usize);
             Some(Decoded {
                 id_addr: id?.as_ptr() as usize,
                 num_computed_tokens: slot_count(computed)?,
@@ -744,12 +746,14 @@ pub(crate) struct Decoded {
 }
 
 /// How many addresses [`Lines`] holds.
-pub(crate) const LINES: usize = 7;
+pub(crate) const LINES: usize = 8;
 
 /// The addresses a decode call of a plain request read (0: not known), noted with its hint
 /// entry so that the call before the next one prefetches them: the object (from its managed
-/// dict word), its dict, the dict's keys, the dict slots of its token list, `num_computed_tokens`
-/// and `request_id`, and the token list. Only ever prefetched: a stale one costs a useless fetch.
+/// dict word), its dict, the dict's keys, the dict slot of its token list, the token list, the
+/// dict slots of `num_computed_tokens` and `request_id`, and the `num_computed_tokens` int (above
+/// 256 an object of its own, made by the scheduler's last update). Only ever prefetched: a stale
+/// one costs a useless fetch.
 pub(crate) type Lines = [usize; LINES];
 
 /// The field `name` of a plain request: from its slot when the class keeps it in one
@@ -800,11 +804,15 @@ fn decode<'py>(
 ) -> Option<Decoded> {
     let py = dict.py();
     let count = |offset, name, hint| count_at(request, offset, dict, entries, name, hint);
-    let (num_computed_tokens, computed_slot) = count(
+    let (computed, computed_slot) = field_at(
+        request,
         slots.num_computed_tokens,
+        dict,
+        entries,
         intern!(py, "num_computed_tokens"),
         &DICT_HINTS.num_computed_tokens,
     )?;
+    let num_computed_tokens = exact_int(&computed)?.count_capped(COUNT_CAP)?;
     let num_prompt_tokens = if prompt {
         count(
             slots.num_prompt_tokens,
@@ -824,7 +832,7 @@ fn decode<'py>(
         &DICT_HINTS.request_id,
     )?;
     let mut lines = [0; LINES];
-    lines[..2].copy_from_slice(&[computed_slot, id_slot]);
+    lines[..3].copy_from_slice(&[computed_slot, id_slot, computed.as_ptr() as usize]);
     Some(Decoded {
         id_addr: id.as_ptr() as usize,
         num_computed_tokens,
@@ -1360,11 +1368,12 @@ impl PlainMap {
             let [a, b] = next.slot_addr.get();
             kvcore_core::prefetch::prefetch(a as *const u8);
             kvcore_core::prefetch::prefetch(b as *const u8);
-            // The object (its managed dict word lies before it), the dict and its keys, and
-            // the token list may straddle a line; a dict entry (16 bytes, 16-aligned) may not.
-            let [object, dict, keys, tokens_slot, tokens, computed_slot, id_slot] =
+            // The object (its managed dict word lies before it), the dict and its keys, the
+            // token list and an int may straddle a line; a dict entry (16 bytes, 16-aligned)
+            // may not.
+            let [object, dict, keys, tokens_slot, tokens, computed_slot, id_slot, computed] =
                 next.lines.get();
-            for line in [object, dict, keys, tokens] {
+            for line in [object, dict, keys, tokens, computed] {
                 kvcore_core::prefetch::prefetch(line as *const u8);
             }
             for line in [tokens_slot, computed_slot, id_slot] {
