@@ -3,11 +3,18 @@
 //! The batch calls walk thousands of requests whose state is rarely cached between scheduler
 //! steps; asking for the next requests' lines a few iterations ahead lets those memory loads
 //! overlap instead of stalling one after another.
+//!
+//! An address in the first page (null, or a small offset from it: an address not known) is
+//! not prefetched: nothing is mapped there, and a prefetch of an unmapped address walks the
+//! page tables for nothing, which on a virtual machine costs as much as a miss to memory.
 
 /// Hints the CPU to bring the two cache lines starting at `addr` into the cache. A hint only:
 /// it has no effect on the program's behaviour, whatever the address.
 #[inline(always)]
 pub fn prefetch<T>(addr: *const T) {
+    if unmapped(addr) {
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     #[allow(unsafe_code)]
     // SAFETY: `_mm_prefetch` never faults and has no architecturally visible effect for any
@@ -27,6 +34,9 @@ pub fn prefetch<T>(addr: *const T) {
 /// object or field that lies within one line). A hint only, as [`prefetch`].
 #[inline(always)]
 pub fn prefetch_line<T>(addr: *const T) {
+    if unmapped(addr) {
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     #[allow(unsafe_code)]
     // SAFETY: as `prefetch`: the instruction never faults, whatever the address.
@@ -36,6 +46,12 @@ pub fn prefetch_line<T>(addr: *const T) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = addr;
+}
+
+/// Whether `addr` lies in the first page, which nothing maps.
+#[inline(always)]
+fn unmapped<T>(addr: *const T) -> bool {
+    (addr as usize) < 4096
 }
 
 /// [`prefetch`] for the `lines` cache lines (64 bytes each, rounded up to pairs) starting at
