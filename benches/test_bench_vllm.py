@@ -315,9 +315,11 @@ def test_bench_vllm_scheduler_step(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("order", ["in-order", "shuffled"])
 @pytest.mark.parametrize("running", [256, 4096])
 def test_bench_vllm_request_decode(
     running: int,
+    order: str,
     benchmark: Any,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -328,6 +330,12 @@ def test_bench_vllm_request_decode(
     All go through ``kvcore.vllm.KVCacheManager`` (kvcore's Rust manager); vLLM's requests are
     read from their instance dicts, ``kvcore.vllm.Request`` from its slots, kvcore's from their
     native state.
+
+    ``in-order`` calls the requests in the order they were made, which is also their order in
+    memory: the CPU's own prefetcher then follows kvcore's requests (one object each, made one
+    after another) but not vLLM's (each made with its dict, lists and parameters). In a server,
+    requests arrive over time among the engine's other allocations, and the running list is
+    reordered by finishes and preemptions: ``shuffled`` calls them in a fixed random order.
     """
     from vllm.v1.request import RequestStatus as VllmStatus
 
@@ -350,6 +358,8 @@ def test_bench_vllm_request_decode(
             enable_kv_cache_events=True,
         )
         reqs = [make(i) for i in range(running)]
+        if order == "shuffled":
+            random.Random(0).shuffle(reqs)
         for r in reqs:
             hits, n = mgr.get_computed_blocks(r)
             assert mgr.allocate_slots(r, r.num_tokens - n, n, hits) is not None
@@ -408,7 +418,7 @@ def test_bench_vllm_request_decode(
     benchmark.extra_info.update(vllm_request_us=v, engine_request_us=e, kvcore_request_us=k)
     with capsys.disabled():
         print(
-            f"\ndecode allocate_slots(r, 1), {running} running, µs per request (best "
+            f"\ndecode allocate_slots(r, 1), {running} running {order}, µs per request (best "
             f"of 5): vLLM Request {v:.3f} ({v / k:.2f}x) / kvcore.vllm.Request {e:.3f} "
             f"({e / k:.2f}x) / kvcore Request {k:.3f}"
         )

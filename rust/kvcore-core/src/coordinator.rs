@@ -1250,7 +1250,14 @@ impl Coordinator {
     ) -> Option<(i64, RunningStep)> {
         let slot = g.tables.resolve_cell(req.id, req.hints.get(i))?;
         let e = g.tables.at_slot(slot);
-        let cached = e.num_cached?;
+        // A request that never cached (with caching off, vLLM's scheduler never registers it:
+        // ALLOC-8) counts as running in a full-attention group when the call caches nothing:
+        // STM-2 and STM-3 then count and allocate alike for both.
+        let cached = match e.num_cached {
+            Some(c) => c,
+            None if !t.caching && g.kind() == Kind::Full => 0,
+            None => return None,
+        };
         let have = e.blocks.len();
         let (count, want) = g.running_growth(have, t.need_slot, t.main)?;
         let cache_len = if t.caching {
