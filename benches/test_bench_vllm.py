@@ -233,7 +233,7 @@ def _scheduler(cls: Any, setup: h.Setup, cfg: Any, hasher: Any) -> Any:
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("model", ["full", "swa"])
+@pytest.mark.parametrize("model", ["full", "swa", "full-nocache"])
 @pytest.mark.parametrize("running", [64, 256, 1024])
 def test_bench_vllm_scheduler_step(
     model: str,
@@ -242,11 +242,13 @@ def test_bench_vllm_scheduler_step(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """KV-manager time inside vLLM's scheduler step, vLLM's manager against kvcore's."""
+    """KV-manager time inside vLLM's scheduler step, vLLM's manager against kvcore's
+    (``full-nocache``: full attention with prefix caching off)."""
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     init_none_hash(sha256)
     setup = h.Setup(
-        model=model,
+        model=model.removesuffix("-nocache"),
+        caching=not model.endswith("-nocache"),
         num_blocks=running * 64 + 1024,
         max_num_seqs=running,
         max_num_batched_tokens=8192,

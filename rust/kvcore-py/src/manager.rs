@@ -265,8 +265,6 @@ struct Inner {
     plain: Vec<PlainClass>,
     /// Table keys and slot hints of that class's requests.
     plain_hints: PlainHints,
-    /// The decode prefetch pipeline of plain requests with a native base.
-    state_trace: crate::plain::StateTrace,
     /// The classes `take_events` builds the events as (`None`: kvcore's own).
     event_classes: Option<[PyObject; 3]>,
 }
@@ -791,17 +789,7 @@ impl Inner {
             waiting_or_preempted: false,
             hints: &state.hints[..self.num_groups.min(state.hints.len())],
         };
-        let slots = std::cell::Cell::new([0; 2]);
-        let noop = self.decide_noop(py, &view, Some(&slots), args, next);
-        self.state_trace.step(
-            py,
-            r.at,
-            crate::plain::TraceLines {
-                slots: slots.get(),
-                ..r.lines
-            },
-        );
-        if noop {
+        if self.decide_noop(py, &view, None, args, next) {
             Noop::Yes
         } else {
             Noop::No(None)
@@ -1123,7 +1111,6 @@ impl PyManagerCore {
             clip,
             plain,
             plain_hints: PlainHints::new(),
-            state_trace: crate::plain::StateTrace::new(),
             event_classes,
         };
         self.inner

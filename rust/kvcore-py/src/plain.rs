@@ -83,10 +83,6 @@ impl StateRef<'_> {
 /// hints ([`PlainClass::read_state`]); valid while no Python code runs.
 pub(crate) struct StateRead<'a> {
     pub(crate) state: StateRef<'a>,
-    /// Where the request's last call was noted in the manager's [`StateTrace`].
-    pub(crate) at: &'a AtomicU32,
-    /// What this call reads of the request (the table slots are noted after the call).
-    pub(crate) lines: TraceLines,
     pub(crate) num_tokens: usize,
     pub(crate) num_computed_tokens: usize,
     /// 0 unless asked for.
@@ -631,22 +627,7 @@ impl PlainClass {
                 .filter(|k| std::ptr::eq(k.id.as_ptr(), id.as_ptr()))
         })
         .ok()?;
-        let end = s
-            .tokens
-            .max(s.request_id)
-            .max(s.num_computed_tokens)
-            .max(s.num_prompt_tokens);
         Some(StateRead {
-            at: &base.at,
-            lines: TraceLines {
-                object: [
-                    request.as_ptr() as usize,
-                    (request.as_ptr() as usize).wrapping_add(end),
-                ],
-                tokens: tokens.as_ptr() as usize,
-                computed: computed.as_ref().map_or(0, |c| c.as_ptr() as usize),
-                slots: [0; 2],
-            },
             num_tokens: list_len(tokens),
             num_computed_tokens: slot_count(computed)?,
             num_prompt_tokens: if prompt { slot_count(prompt_len)? } else { 0 },
@@ -1254,9 +1235,6 @@ pub(crate) struct PlainState {
     kept: GilCell<Option<KeptId>>,
     /// One hint cell per group, the first [`INLINE_HINTS`] groups.
     hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
-    /// Where its last decode call was noted in its manager's [`StateTrace`] (a hint for the
-    /// cache only).
-    at: AtomicU32,
 }
 
 /// A request id and its table key (`crate::args::id_key`).
@@ -1273,7 +1251,6 @@ impl PlainState {
         Self {
             kept: GilCell::new(None),
             hints: Default::default(),
-            at: AtomicU32::new(NO_ENTRY),
         }
     }
 }
@@ -1522,96 +1499,5 @@ impl PlainHints {
             )
         })?;
         Ok(state.index.len())
-    }
-}
-
-/// The addresses a decode call of a request with a native base ([`PlainState`]) read: the
-/// object (its first line and the line of its last decode slot), its token list, its
-/// `num_computed_tokens` int and its table slots of the first two groups (0: not known).
-#[derive(Clone, Copy, Default)]
-pub(crate) struct TraceLines {
-    pub(crate) object: [usize; 2],
-    pub(crate) tokens: usize,
-    pub(crate) computed: usize,
-    pub(crate) slots: [usize; 2],
-}
-
-/// The recent decode calls of requests with a native base, in call order: the prefetch
-/// pipeline of such requests, as [`PlainHints`]' successor chain is that of the others. A
-/// scheduler calls its running requests in the same order every step, so the calls noted after
-/// a request's last one are, mostly, the calls that come after its call now: a call reads the
-/// lines noted for the call after its last one (fetched by the call before it) and prefetches
-/// them, and prefetches the note after that for the next call to read. Each request's base
-/// keeps the number of its last call ([`PlainState`]'s `at`), so nothing is looked up. The
-/// ring holds at least twice the calls between two calls of a request (it grows when they are
-/// further apart, up to [`TRACE_MAX`]). The addresses are only ever prefetched: a stale note
-/// (a request gone, the order changed, the ring just grown, a request shared by managers)
-/// costs a useless fetch.
-pub(crate) struct StateTrace {
-    ring: GilCell<TraceRing>,
-}
-
-struct TraceRing {
-    /// A power of two of notes, the call numbered `n` noted at `n % notes.len()`.
-    notes: Vec<TraceLines>,
-    /// The number of the next call (wrapping).
-    next: u32,
-}
-
-/// The ring's first length.
-const TRACE_MIN: usize = 64;
-
-/// The ring's largest length (twice the running requests it serves at most; 40 bytes a note,
-/// 2.5 MiB in all).
-const TRACE_MAX: usize = 1 << 16;
-
-impl StateTrace {
-    /// An empty trace.
-    pub(crate) fn new() -> Self {
-        Self {
-            ring: GilCell::new(TraceRing {
-                notes: Vec::new(),
-                next: 0,
-            }),
-        }
-    }
-
-    /// Runs the pipeline for a call of the request whose last call is numbered `at`, and
-    /// notes this one (`lines`), unless another call holds the trace.
-    #[inline]
-    pub(crate) fn step(&self, py: Python<'_>, at: &AtomicU32, lines: TraceLines) {
-        let Some(mut ring) = self.ring.try_borrow(py) else {
-            return;
-        };
-        let last = at.load(Ordering::Relaxed);
-        // How many calls ago the request's last call was (`usize::MAX`: never, as far as the
-        // trace can tell).
-        let apart = match ring.next.wrapping_sub(last) as usize {
-            _ if last == NO_ENTRY => usize::MAX,
-            n if n <= TRACE_MAX => n,
-            _ => usize::MAX,
-        };
-        let len = ring.notes.len();
-        if len == 0 || apart != usize::MAX && 2 * apart > len && len < TRACE_MAX {
-            let want = if apart == usize::MAX { 0 } else { 2 * apart };
-            let len = want.clamp(TRACE_MIN, TRACE_MAX).next_power_of_two();
-            ring.notes = vec![TraceLines::default(); len];
-        }
-        let mask = ring.notes.len() - 1;
-        if apart < ring.notes.len() {
-            let n = ring.notes[(last.wrapping_add(1) as usize) & mask];
-            for line in [n.object[0], n.object[1], n.tokens, n.computed] {
-                kvcore_core::prefetch::prefetch(line as *const u8);
-            }
-            for line in n.slots {
-                kvcore_core::prefetch::prefetch_line(line as *const u8);
-            }
-            let after: *const TraceLines = &ring.notes[(last.wrapping_add(2) as usize) & mask];
-            kvcore_core::prefetch::prefetch(after);
-        }
-        let i = ring.next;
-        ring.notes[i as usize & mask] = lines;
-        at.store(i, Ordering::Relaxed);
-        ring.next = i.wrapping_add(1);
     }
 }
