@@ -777,7 +777,8 @@ fn field_at<'a, 'py>(
     dict_get(dict, entries, name, hint).ok()?
 }
 
-/// A count field ([`field_at`]) and its dict slot's address, when an exact int in range.
+/// A count field ([`field_at`]), its dict slot's address and the int's, when an exact int in
+/// range.
 #[inline(always)]
 fn count_at<'py>(
     request: &Bound<'py, PyAny>,
@@ -786,9 +787,10 @@ fn count_at<'py>(
     entries: Option<&Entries>,
     name: &Bound<'py, PyString>,
     hint: &AtomicU32,
-) -> Option<(usize, usize)> {
+) -> Option<(usize, usize, usize)> {
     let (value, slot) = field_at(request, offset, dict, entries, name, hint)?;
-    Some((exact_int(&value)?.count_capped(COUNT_CAP)?, slot))
+    let count = exact_int(&value)?.count_capped(COUNT_CAP)?;
+    Some((count, slot, value.as_ptr() as usize))
 }
 
 /// [`PlainClass::read`]'s decode fields, from the slots `slots` names and the dict; `None`
@@ -804,15 +806,11 @@ fn decode<'py>(
 ) -> Option<Decoded> {
     let py = dict.py();
     let count = |offset, name, hint| count_at(request, offset, dict, entries, name, hint);
-    let (computed, computed_slot) = field_at(
-        request,
+    let (num_computed_tokens, computed_slot, computed) = count(
         slots.num_computed_tokens,
-        dict,
-        entries,
         intern!(py, "num_computed_tokens"),
         &DICT_HINTS.num_computed_tokens,
     )?;
-    let num_computed_tokens = exact_int(&computed)?.count_capped(COUNT_CAP)?;
     let num_prompt_tokens = if prompt {
         count(
             slots.num_prompt_tokens,
@@ -832,7 +830,7 @@ fn decode<'py>(
         &DICT_HINTS.request_id,
     )?;
     let mut lines = [0; LINES];
-    lines[..3].copy_from_slice(&[computed_slot, id_slot, computed.as_ptr() as usize]);
+    lines[..3].copy_from_slice(&[computed_slot, id_slot, computed]);
     Some(Decoded {
         id_addr: id.as_ptr() as usize,
         num_computed_tokens,
