@@ -10,7 +10,9 @@ could differ from ``getattr``.
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 from typing import Any, ClassVar
 
 import pytest
@@ -449,6 +451,92 @@ def test_a_native_based_request_keeps_its_key_and_hints_in_itself() -> None:
         managers(), SlottedDuckRequest, hasher
     )
     assert [m._num_plain_hints for m in ours] == [0, 0]
+
+
+def test_a_native_based_requests_token_list_is_read_as_by_attribute_when_replaced() -> None:
+    """A native-based request's base holds its token list once a call has checked it, and its
+    decode calls then read the list only when the answer needs its length: a list replaced by
+    another (longer, shorter, the same), by a tuple, a list subclass whose length lies, an int
+    or nothing gives what attribute reads give, on the calls right after and later."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    class LyingList(list[int]):
+        def __len__(self) -> int:
+            return 3
+
+    def scenario(mgr: KVCacheManager, cls: type[PlainRequest]) -> list[Any]:
+        log: list[Any] = []
+        req: Any = cls("a", list(range(10)), hasher)
+        log.append(outcome(mgr.allocate_slots, req, 10))
+        req.num_computed_tokens = 10
+        req.status = RUNNING
+
+        def decode(n: int) -> None:
+            for _ in range(n):
+                log.append(outcome(mgr.allocate_slots, req, 1))
+                log.append(mgr.get_block_ids("a"))
+                if log[-2] is not None and log[-2][0] != "raised":
+                    req.num_computed_tokens += 1
+                    req.append(7)
+
+        decode(6)
+        tokens = req._all_token_ids
+        for replacement in (
+            list(tokens),
+            [*tokens, 1, 2, 3, 4, 5],
+            list(tokens[:4]),
+            tuple(tokens),
+            LyingList(tokens),
+            17,
+            None,
+            list(tokens),
+        ):
+            if replacement is None:
+                del req._all_token_ids
+                log.append(outcome(mgr.allocate_slots, req, 1))
+                req._all_token_ids = list(tokens)
+                continue
+            req._all_token_ids = replacement
+            log.append(outcome(mgr.allocate_slots, req, 1))
+            if isinstance(replacement, list):
+                decode(5)
+            req._all_token_ids = list(tokens)
+            decode(2)
+        log.append(outcome(mgr.free, req))
+        log.append(mgr.take_events())
+        mgr.check_invariants()
+        return log
+
+    ours = scenario(
+        plain_manager(False, SlottedPlainManager, enable_kv_cache_events=True), SlottedPlainRequest
+    )
+    theirs = scenario(
+        plain_manager(False, SlottedPlainManager, enable_kv_cache_events=True), SlottedDuckRequest
+    )
+    assert ours == as_plain(theirs, SlottedDuckRequest, SlottedPlainRequest)
+    assert any(isinstance(x, tuple) and x and x[0] == "raised" for x in ours)
+
+
+def test_a_token_list_the_base_holds_does_not_keep_a_cycle_alive() -> None:
+    """The list a native base holds is seen by the cycle collector: a request in a cycle
+    through its token list is freed."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    mgr = plain_manager(False, SlottedPlainManager)
+    req: Any = SlottedPlainRequest("a", list(range(6)), hasher)
+    assert mgr.allocate_slots(req, 6) is not None
+    req.num_computed_tokens = 6
+    req.status = RUNNING
+    req.append(1)
+    for _ in range(3):  # decode calls: the base now holds the list
+        assert mgr.allocate_slots(req, 1) is not None
+    mgr.free(req)
+    req._all_token_ids.append(req)
+    gone = weakref.ref(req)
+    del req
+    gc.collect()
+    assert gone() is None
 
 
 def test_the_slotted_reader_is_the_one_used() -> None:

@@ -1290,6 +1290,17 @@ impl Coordinator {
         self.skippers.is_empty() && self.groups.len() <= MAX_RUNNING_GROUPS
     }
 
+    /// A bound on the tokens an `allocate_slots` call of a request with `num_computed_tokens`
+    /// computed tokens may cache (ALLOC-2's sum with the new tokens): a `num_tokens` at or
+    /// above it caps nothing, so every decision of the call is the same for all such counts.
+    #[inline]
+    pub fn tokens_a_call_may_cache(num_computed_tokens: usize, args: &AllocateArgs<'_>) -> usize {
+        num_computed_tokens
+            .saturating_add(args.num_new_computed_tokens)
+            .saturating_add(args.num_external_computed_tokens)
+            .saturating_add(args.num_new_tokens)
+    }
+
     /// Whether the call names only token counts, which the running path may serve.
     #[inline]
     fn counts_only(args: &AllocateArgs<'_>) -> bool {
@@ -1304,6 +1315,12 @@ impl Coordinator {
     /// Most decode steps are such calls; a caller may answer them (no new blocks) without
     /// gathering what the call needs only when something happens. An invalid call (ALLOC-1)
     /// is not one.
+    ///
+    /// `req.num_tokens` only caps the tokens the call caches, so a caller that has not read it
+    /// may pass a bound above it (`usize::MAX`): a yes then holds for the request's count,
+    /// which caches no more; a no holds for it when it is at least
+    /// [`Self::tokens_a_call_may_cache`].
+    #[inline(always)]
     pub fn allocate_is_noop(
         &self,
         pool: &BlockPool,

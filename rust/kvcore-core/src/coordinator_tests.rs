@@ -828,6 +828,26 @@ fn a_noop_call_changes_nothing() {
                     ..new_tokens(n)
                 };
                 let noop = m.allocate_is_noop(&p, &r, &args);
+                // `num_tokens` only caps what the call caches: a bound above the count answers
+                // yes only where the count does, and alike for every count at or above
+                // `tokens_a_call_may_cache` (a caller may leave it unread until needed).
+                let bound = Coordinator::tokens_a_call_may_cache(computed, &args);
+                let with =
+                    |num_tokens| m.allocate_is_noop(&p, &RequestView { num_tokens, ..r }, &args);
+                let unread = with(usize::MAX);
+                for num_tokens in [computed, computed + n - 1, bound, bound + 5] {
+                    let answer = with(num_tokens);
+                    assert!(
+                        !unread || answer,
+                        "{kind:?} step {step} num_tokens {num_tokens}"
+                    );
+                    if num_tokens >= bound {
+                        assert_eq!(
+                            answer, unread,
+                            "{kind:?} step {step} num_tokens {num_tokens}"
+                        );
+                    }
+                }
                 let groups = m.groups.len();
                 let tables = |m: &Coordinator| -> Vec<Vec<BlockId>> {
                     (0..groups)

@@ -777,19 +777,37 @@ impl Inner {
         args: &AllocateArgs<'_>,
         next: Option<(&Bound<'py, PyList>, usize)>,
     ) -> Noop<'_, 'py> {
-        let Some(r) = class.read_state(request, self.reads_prompt) else {
-            return Noop::Unknown;
+        let (noop, noted) = {
+            let Some(r) = class.read_state(request, self.reads_prompt) else {
+                return Noop::Unknown;
+            };
+            let state = &r.state;
+            // A token list the base holds is not read unless the answer needs its length: a
+            // yes for a bound above it holds for it, and so does a no when the list is not
+            // shorter than what the call may cache (`Coordinator::allocate_is_noop`).
+            let mut view = RequestView {
+                id: state.key(),
+                num_computed_tokens: r.num_computed_tokens,
+                num_tokens: if r.noted { usize::MAX } else { r.num_tokens() },
+                num_prompt_tokens: r.num_prompt_tokens,
+                waiting_or_preempted: false,
+                hints: &state.hints[..self.num_groups.min(state.hints.len())],
+            };
+            let mut noop = self.decide_noop(py, &view, None, args, next);
+            if !noop && r.noted {
+                view.num_tokens = r.num_tokens();
+                if view.num_tokens
+                    < Coordinator::tokens_a_call_may_cache(r.num_computed_tokens, args)
+                {
+                    noop = self.decide_noop_again(py, &view, args);
+                }
+            }
+            (noop, r.noted)
         };
-        let state = &r.state;
-        let view = RequestView {
-            id: state.key(),
-            num_computed_tokens: r.num_computed_tokens,
-            num_tokens: r.num_tokens,
-            num_prompt_tokens: r.num_prompt_tokens,
-            waiting_or_preempted: false,
-            hints: &state.hints[..self.num_groups.min(state.hints.len())],
-        };
-        if self.decide_noop(py, &view, None, args, next) {
+        if !noted {
+            class.note_tokens(request);
+        }
+        if noop {
             Noop::Yes
         } else {
             Noop::No(None)
@@ -855,6 +873,19 @@ impl Inner {
             Self::note_slot(&core, slot, view.hints);
         }
         noop
+    }
+
+    /// [`Self::decide_noop`] asked a second time for a call (with the request's token count,
+    /// after a bound above it): out of line, so that the first question's code stays inline.
+    #[inline(never)]
+    #[cold]
+    fn decide_noop_again(
+        &self,
+        py: Python<'_>,
+        view: &RequestView<'_>,
+        args: &AllocateArgs<'_>,
+    ) -> bool {
+        self.decide_noop(py, view, None, args, None)
     }
 
     /// Notes where a plain request's table slots of the first two groups are (its hints'), for

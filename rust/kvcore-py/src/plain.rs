@@ -19,6 +19,7 @@ use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::Borrowed;
+use pyo3::{PyTraverseError, PyVisit};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::args::{count_of, exact_int, list_len, request_id_of, COUNT_CAP};
@@ -83,10 +84,26 @@ impl StateRef<'_> {
 /// hints ([`PlainClass::read_state`]); valid while no Python code runs.
 pub(crate) struct StateRead<'a> {
     pub(crate) state: StateRef<'a>,
-    pub(crate) num_tokens: usize,
+    /// The token list, an exact list.
+    tokens: Borrowed<'a, 'a, PyAny>,
+    /// Whether the base holds `tokens` as checked ([`PlainClass::note_tokens`]); else it was
+    /// checked now.
+    pub(crate) noted: bool,
     pub(crate) num_computed_tokens: usize,
     /// 0 unless asked for.
     pub(crate) num_prompt_tokens: usize,
+}
+
+impl StateRead<'_> {
+    /// `num_tokens`: the token list's length (a read of the list's header, which with
+    /// thousands of requests is no longer in the caches by the next step).
+    #[inline]
+    pub(crate) fn num_tokens(&self) -> usize {
+        #[allow(unsafe_code)]
+        // SAFETY: `read_state` found an exact list (checked now, or held by the base since it
+        // was checked: that object, whose type cannot change).
+        list_len(unsafe { self.tokens.downcast_unchecked::<PyList>() })
+    }
 }
 
 /// Where a plain class keeps decode fields in `__slots__` (its own or a base's): each field's
@@ -593,7 +610,8 @@ impl PlainClass {
     /// [`PlainState`]: read from the slots and the native base alone, when the counts are exact
     /// ints in range (`count_of`'s rule), the tokens an exact list, and the base keeps the key
     /// of the request's current `request_id`; else `None` (then the whole path reads the
-    /// request, raises what is wrong, and keeps the key).
+    /// request, raises what is wrong, and keeps the key). The token list is not read when the
+    /// base holds it as checked ([`Self::note_tokens`]).
     #[inline(always)]
     pub(crate) fn read_state<'a>(
         &self,
@@ -620,15 +638,23 @@ impl PlainClass {
                 request.downcast_unchecked::<PlainState>().get(),
             )
         };
-        let tokens = tokens.downcast_exact::<PyList>().ok()?;
         let kept = base.kept.try_borrow(request.py())?;
         let kept = RefMut::filter_map(kept, |k| {
             k.as_mut()
                 .filter(|k| std::ptr::eq(k.id.as_ptr(), id.as_ptr()))
         })
         .ok()?;
+        // The list the base holds is that object while it holds it: an exact list still.
+        let noted = kept
+            .tokens
+            .as_ref()
+            .is_some_and(|t| std::ptr::eq(t.as_ptr(), tokens.as_ptr()));
+        if !noted && !tokens.is_exact_instance_of::<PyList>() {
+            return None;
+        }
         Some(StateRead {
-            num_tokens: list_len(tokens),
+            tokens,
+            noted,
             num_computed_tokens: slot_count(computed)?,
             num_prompt_tokens: if prompt { slot_count(prompt_len)? } else { 0 },
             state: StateRef {
@@ -636,6 +662,46 @@ impl PlainClass {
                 hints: &base.hints,
             },
         })
+    }
+
+    /// Has the native base of `request` (an instance of this class, which keeps its decode
+    /// fields in slots and derives from [`PlainState`]) hold its token list, when an exact list
+    /// and the base keeps the key of its current `request_id`: [`Self::read_state`] then knows
+    /// it for an exact list without reading it (its header is read only when a call needs its
+    /// length). Holding the list keeps that object at its address, so a slot that still points
+    /// there holds it. Runs no Python code while the base is borrowed: the list it replaces is
+    /// let go after.
+    pub(crate) fn note_tokens(&self, request: &Bound<'_, PyAny>) {
+        if !self.based || self.slots.tokens == 0 {
+            return;
+        }
+        #[allow(unsafe_code)]
+        // SAFETY: a slot offset of the request's exact class (the caller's check), a subclass
+        // of `PlainState` (`based`); the list is borrowed from the request until Python code
+        // runs, and is given a reference of its own before.
+        let (tokens, base) = unsafe {
+            (
+                Slots::get(request, self.slots.tokens),
+                request.downcast_unchecked::<PlainState>().get(),
+            )
+        };
+        let Some(tokens) = tokens else {
+            return;
+        };
+        let Ok(tokens) = tokens.downcast_exact::<PyList>() else {
+            return;
+        };
+        let replaced = {
+            let Some(mut kept) = base.kept.try_borrow(request.py()) else {
+                return;
+            };
+            let Some(kept) = kept.as_mut() else {
+                return;
+            };
+            kept.tokens.replace(tokens.clone().unbind())
+        };
+        // Freeing a list frees its items, whose finalizers may run Python code.
+        drop(replaced);
     }
 
     /// [`Self::read`] of a request whose decode fields are all slots: its dict is not read.
@@ -1039,9 +1105,12 @@ impl<'py> PlainRequest<'py> {
                 h.set(None);
             }
             // The id it replaces is let go: freeing a str runs no Python code.
+            // The checked token list stays: it is the request's, whatever its id.
+            let tokens = kept.as_mut().and_then(|k| k.tokens.take());
             *kept = Some(KeptId {
                 id: id.clone().unbind(),
                 key,
+                tokens,
             });
         }
         Ok(RefMut::filter_map(kept, Option::as_mut)
@@ -1235,10 +1304,12 @@ pub(crate) struct PlainState {
     hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
 }
 
-/// A request id and its table key (`crate::args::id_key`).
+/// A request id and its table key (`crate::args::id_key`), and the request's token list once
+/// checked to be an exact list ([`PlainClass::note_tokens`]).
 struct KeptId {
     id: Py<PyString>,
     key: String,
+    tokens: Option<Py<PyList>>,
 }
 
 #[pymethods]
@@ -1250,6 +1321,27 @@ impl PlainState {
             kept: GilCell::new(None),
             hints: Default::default(),
         }
+    }
+
+    /// Lets the cycle collector see the token list the base holds (a list may hold anything,
+    /// the request too). A base a call has borrowed is skipped: the request holds that list
+    /// too while the call reads it.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(kept) = self.kept.try_borrow_in_gc() {
+            if let Some(tokens) = kept.as_ref().and_then(|k| k.tokens.as_ref()) {
+                visit.call(tokens)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Lets go of the token list (breaks a cycle through it); the key stays.
+    fn __clear__(&self) {
+        let taken = self
+            .kept
+            .try_borrow_in_gc()
+            .and_then(|mut k| k.as_mut().and_then(|k| k.tokens.take()));
+        drop(taken);
     }
 }
 

@@ -44,6 +44,13 @@ impl<T> GilCell<T> {
         }
     }
 
+    /// [`Self::try_borrow`] for the cycle collector's `__traverse__` and `__clear__`, which
+    /// run with the GIL held but are given no token.
+    #[inline]
+    pub fn try_borrow_in_gc(&self) -> Option<RefMut<'_, T>> {
+        self.value.try_borrow_mut().ok()
+    }
+
     /// The value when no call holds it, else `None`, recording no owner: only for a cell that
     /// is never taken another way ([`lock_cell`] could not tell a re-entrant call on such a
     /// cell from another thread's).
