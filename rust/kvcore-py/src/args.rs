@@ -49,7 +49,7 @@ impl Int {
 
 /// An exact `int`'s value, read without running Python code or raising; `None` for any other
 /// object (an `int` subclass, `bool`, an object with `__index__`).
-#[inline]
+#[inline(always)]
 pub fn exact_int(obj: &Bound<'_, PyAny>) -> Option<Int> {
     if !obj.is_exact_instance_of::<PyInt>() {
         return None;

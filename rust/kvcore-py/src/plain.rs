@@ -63,6 +63,9 @@ pub(crate) struct PlainClass {
     /// Whether the class derives from [`PlainState`] (`kvcore._native.PlainRequestBase`), so
     /// that its instances keep their key and hints in their native base.
     based: bool,
+    /// Whether [`Self::read_state`] reads instances (`based`, and every decode field a slot),
+    /// without and with the prompt length.
+    state: [bool; 2],
 }
 
 /// A request's key and hints, kept in its native base ([`PlainState`]): its key borrowed
@@ -519,13 +522,15 @@ impl PlainClass {
             }
         }
         let hinted = dicts_are_311(py);
+        let based = cls.is_subclass_of::<PlainState>()?;
         Ok(Self {
             cls: cls.clone().unbind(),
             tokens: tokens.clone().unbind(),
             hinted,
             managed: hinted && has_managed_dict(cls),
             slots,
-            based: cls.is_subclass_of::<PlainState>()?,
+            based,
+            state: [based && slots.decode(false), based && slots.decode(true)],
         })
     }
 
@@ -619,7 +624,7 @@ impl PlainClass {
         prompt: bool,
     ) -> Option<StateRead<'a>> {
         let s = &self.slots;
-        if !self.based || !s.decode(prompt) {
+        if !self.state[usize::from(prompt)] {
             return None;
         }
         #[allow(unsafe_code)]
