@@ -363,23 +363,15 @@ def test_bench_vllm_request_decode(
     vllm_hasher = kvcore.vllm.get_request_block_hasher(16, sha256)
     kv_hasher: Any = kvcore.hashing.get_request_block_hasher(16, kvcore.hashing.sha256)
 
-    def vllm_request(i: int) -> Request:
-        return Request(
-            f"v{i}",
-            list(range(i % 500, i % 500 + 100)),
-            SamplingParams(max_tokens=1000),
-            None,
-            block_hasher=vllm_hasher,
-        )
+    def vllm_made(cls: type[Request], prefix: str) -> Any:
+        """Requests of vLLM's class `cls` (vLLM's own or ``kvcore.vllm.Request``)."""
 
-    def engine_request(i: int) -> kvcore.vllm.Request:
-        return kvcore.vllm.Request(
-            f"e{i}",
-            list(range(i % 500, i % 500 + 100)),
-            SamplingParams(max_tokens=1000),
-            None,
-            block_hasher=vllm_hasher,
-        )
+        def make(i: int) -> Request:
+            prompt = list(range(i % 500, i % 500 + 100))
+            params = SamplingParams(max_tokens=1000)
+            return cls(f"{prefix}{i}", prompt, params, None, block_hasher=vllm_hasher)
+
+        return make
 
     def kvcore_request(i: int) -> KvcoreRequest:
         return KvcoreRequest(
@@ -387,8 +379,8 @@ def test_bench_vllm_request_decode(
         )
 
     kinds = {
-        "vllm": (vllm_request, VllmStatus.RUNNING),
-        "engine": (engine_request, VllmStatus.RUNNING),
+        "vllm": (vllm_made(Request, "v"), VllmStatus.RUNNING),
+        "engine": (vllm_made(kvcore.vllm.Request, "e"), VllmStatus.RUNNING),
         "kvcore": (kvcore_request, KvcoreStatus.RUNNING),
     }
 

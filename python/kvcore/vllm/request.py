@@ -9,8 +9,8 @@ manager reads slots at fixed offsets in the object, with no dict lookup; its nat
 slot hints, as kvcore's own ``kvcore.request.Request`` keeps them in its native base. A decode
 call of such a request reads the request object and the field values only, as one of kvcore's
 own requests does (the README's request-decode figures); the base holds the token list once a
-call has checked it, and the list's length is read only when a call's answer depends on it. Python code reads and writes slots at
-least as fast as dict attributes.
+call has checked it, and the list's length is read only when a call's answer depends on it.
+Python code reads and writes slots at least as fast as dict attributes.
 
 When kvcore's scheduler class is built, kvcore's ``vllm.general_plugins`` entry point has vLLM's
 engine build its requests as this class (:mod:`kvcore.vllm.plugin`). A plain

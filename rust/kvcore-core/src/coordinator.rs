@@ -1294,7 +1294,7 @@ impl Coordinator {
     /// computed tokens may cache (ALLOC-2's sum with the new tokens): a `num_tokens` at or
     /// above it caps nothing, so every decision of the call is the same for all such counts.
     #[inline]
-    pub fn tokens_a_call_may_cache(num_computed_tokens: usize, args: &AllocateArgs<'_>) -> usize {
+    fn tokens_a_call_may_cache(num_computed_tokens: usize, args: &AllocateArgs<'_>) -> usize {
         num_computed_tokens
             .saturating_add(args.num_new_computed_tokens)
             .saturating_add(args.num_external_computed_tokens)
@@ -1315,11 +1315,6 @@ impl Coordinator {
     /// Most decode steps are such calls; a caller may answer them (no new blocks) without
     /// gathering what the call needs only when something happens. An invalid call (ALLOC-1)
     /// is not one.
-    ///
-    /// `req.num_tokens` only caps the tokens the call caches, so a caller that has not read it
-    /// may pass a bound above it (`usize::MAX`): a yes then holds for the request's count,
-    /// which caches no more; a no holds for it when it is at least
-    /// [`Self::tokens_a_call_may_cache`].
     #[inline(always)]
     pub fn allocate_is_noop(
         &self,
@@ -1340,6 +1335,25 @@ impl Coordinator {
                 self.running_step(i, g, req, &t)
                     .is_some_and(|(count, s)| count <= 0 && s.want <= s.have && !s.fills)
             })
+    }
+
+    /// [`Self::allocate_is_noop`] for a caller that asked it first with an unbounded count
+    /// (`req.num_tokens` of `usize::MAX`, the request's count unread) and got a no: the answer
+    /// for the count `num_tokens`. The count only caps the tokens the call caches, so a yes for
+    /// an unbounded count is a yes for every count, and a no is a no for every count at or
+    /// above [`Self::tokens_a_call_may_cache`]; only a shorter one is asked about again. Out
+    /// of line, so that the first question's code stays inline in its caller.
+    #[cold]
+    #[inline(never)]
+    pub fn allocate_is_noop_counted(
+        &self,
+        pool: &BlockPool,
+        req: &RequestView<'_>,
+        args: &AllocateArgs<'_>,
+        num_tokens: usize,
+    ) -> bool {
+        num_tokens < Self::tokens_a_call_may_cache(req.num_computed_tokens, args)
+            && self.allocate_is_noop(pool, &RequestView { num_tokens, ..*req }, args)
     }
 
     /// Whether [`Self::allocate_slots`] with these arguments may cache a full block (and so

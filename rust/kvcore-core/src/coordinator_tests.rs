@@ -830,13 +830,19 @@ fn a_noop_call_changes_nothing() {
                 let noop = m.allocate_is_noop(&p, &r, &args);
                 // `num_tokens` only caps what the call caches: a bound above the count answers
                 // yes only where the count does, and alike for every count at or above
-                // `tokens_a_call_may_cache` (a caller may leave it unread until needed).
+                // `tokens_a_call_may_cache` (`allocate_is_noop_counted` asks only then).
                 let bound = Coordinator::tokens_a_call_may_cache(computed, &args);
                 let with =
                     |num_tokens| m.allocate_is_noop(&p, &RequestView { num_tokens, ..r }, &args);
                 let unread = with(usize::MAX);
                 for num_tokens in [computed, computed + n - 1, bound, bound + 5] {
                     let answer = with(num_tokens);
+                    // The same answer with the count read only when needed.
+                    assert_eq!(
+                        unread || m.allocate_is_noop_counted(&p, &r, &args, num_tokens),
+                        answer,
+                        "{kind:?} step {step} num_tokens {num_tokens}"
+                    );
                     assert!(
                         !unread || answer,
                         "{kind:?} step {step} num_tokens {num_tokens}"

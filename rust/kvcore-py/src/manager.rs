@@ -751,7 +751,7 @@ impl Inner {
             waiting_or_preempted: false,
             hints,
         };
-        if self.decide_noop(py, &view, Some(&entry.slot_addr), args, next) {
+        if self.decide_noop(py, &view, Some(&entry.slot_addr), args, next, None) {
             return Noop::Yes;
         }
         // The whole path takes the fields as read here.
@@ -782,10 +782,7 @@ impl Inner {
                 return Noop::Unknown;
             };
             let state = &r.state;
-            // A token list the base holds is not read unless the answer needs its length: a
-            // yes for a bound above it holds for it, and so does a no when the list is not
-            // shorter than what the call may cache (`Coordinator::allocate_is_noop`).
-            let mut view = RequestView {
+            let view = RequestView {
                 id: state.key(),
                 num_computed_tokens: r.num_computed_tokens,
                 num_tokens: if r.noted { usize::MAX } else { r.num_tokens() },
@@ -793,16 +790,14 @@ impl Inner {
                 waiting_or_preempted: false,
                 hints: &state.hints[..self.num_groups.min(state.hints.len())],
             };
-            let mut noop = self.decide_noop(py, &view, None, args, next);
-            if !noop && r.noted {
-                view.num_tokens = r.num_tokens();
-                if view.num_tokens
-                    < Coordinator::tokens_a_call_may_cache(r.num_computed_tokens, args)
-                {
-                    noop = self.decide_noop_again(py, &view, args);
-                }
-            }
-            (noop, r.noted)
+            // A token list the base holds is read only when the answer needs its length
+            // (`Coordinator::allocate_is_noop_counted`).
+            let count = || r.num_tokens();
+            let unread: Option<&dyn Fn() -> usize> = if r.noted { Some(&count) } else { None };
+            (
+                self.decide_noop(py, &view, None, args, next, unread),
+                r.noted,
+            )
         };
         if !noted {
             class.note_tokens(request);
@@ -842,7 +837,7 @@ impl Inner {
             waiting_or_preempted: false,
             hints: &c.hints[..self.num_groups.min(c.hints.len())],
         };
-        if self.decide_noop(py, &view, None, args, next) {
+        if self.decide_noop(py, &view, None, args, next, None) {
             Noop::Yes
         } else {
             Noop::No(None)
@@ -851,7 +846,9 @@ impl Inner {
 
     /// The no-op question itself ([`Coordinator::allocate_is_noop`]) with the manager held
     /// (`false` when this thread's own call holds it), refreshing the hints and noting the slot of a
-    /// plain request's entry when the answer is yes; runs the batch's prefetch.
+    /// plain request's entry when the answer is yes; runs the batch's prefetch. `unread`: the
+    /// request's token count, where `view.num_tokens` is unbounded (`usize::MAX`), read only
+    /// when that answer is no ([`Coordinator::allocate_is_noop_counted`]).
     #[inline]
     fn decide_noop(
         &self,
@@ -860,6 +857,7 @@ impl Inner {
         slot: Option<&std::cell::Cell<[usize; 2]>>,
         args: &AllocateArgs<'_>,
         next: Option<(&Bound<'_, PyList>, usize)>,
+        unread: Option<&dyn Fn() -> usize>,
     ) -> bool {
         let Ok(core) = self.lock(py) else {
             return false;
@@ -867,25 +865,16 @@ impl Inner {
         if let Some((list, i)) = next {
             self.prefetch_next(&core, list, i);
         }
-        let noop = lock_cell(py, self.pool(py).get().cell(), "pool")
-            .is_ok_and(|pool| core.allocate_is_noop(pool.core(), view, args));
+        let noop = lock_cell(py, self.pool(py).get().cell(), "pool").is_ok_and(|pool| {
+            core.allocate_is_noop(pool.core(), view, args)
+                || unread.is_some_and(|count| {
+                    core.allocate_is_noop_counted(pool.core(), view, args, count())
+                })
+        });
         if noop {
             Self::note_slot(&core, slot, view.hints);
         }
         noop
-    }
-
-    /// [`Self::decide_noop`] asked a second time for a call (with the request's token count,
-    /// after a bound above it): out of line, so that the first question's code stays inline.
-    #[inline(never)]
-    #[cold]
-    fn decide_noop_again(
-        &self,
-        py: Python<'_>,
-        view: &RequestView<'_>,
-        args: &AllocateArgs<'_>,
-    ) -> bool {
-        self.decide_noop(py, view, None, args, None)
     }
 
     /// Notes where a plain request's table slots of the first two groups are (its hints'), for
