@@ -303,9 +303,21 @@ struct RunningStep {
     slot: u32,
     have: usize,
     want: usize,
-    /// The token count the group caches up to, and whether a block fills by then.
+    /// The token count the group caches up to, and whether a block fills by then
+    /// ([`block_fills`]).
     cache_len: usize,
     fills: bool,
+}
+
+/// Whether a group of block size `block_size` holding `cached` cached blocks of a request
+/// fills a block when it caches up to `cache_len` tokens: `cached < cache_len / block_size`,
+/// without the division.
+#[inline]
+fn block_fills(cached: usize, block_size: usize, cache_len: usize) -> bool {
+    cached
+        .checked_add(1)
+        .and_then(|c| c.checked_mul(block_size))
+        .is_some_and(|n| n <= cache_len)
 }
 
 /// The request-level manager; see the module docs.
@@ -1265,12 +1277,7 @@ impl Coordinator {
         } else {
             0
         };
-        // `cached < len / block_size`, without the division.
-        let fills = t.caching
-            && cached
-                .checked_add(1)
-                .and_then(|c| c.checked_mul(g.block_size()))
-                .is_some_and(|n| n <= cache_len);
+        let fills = t.caching && block_fills(cached, g.block_size(), cache_len);
         Some((
             count,
             RunningStep {
@@ -1288,17 +1295,6 @@ impl Coordinator {
     #[inline]
     pub fn noop_possible(&self) -> bool {
         self.skippers.is_empty() && self.groups.len() <= MAX_RUNNING_GROUPS
-    }
-
-    /// A bound on the tokens an `allocate_slots` call of a request with `num_computed_tokens`
-    /// computed tokens may cache (ALLOC-2's sum with the new tokens): a `num_tokens` at or
-    /// above it caps nothing, so every decision of the call is the same for all such counts.
-    #[inline]
-    fn tokens_a_call_may_cache(num_computed_tokens: usize, args: &AllocateArgs<'_>) -> usize {
-        num_computed_tokens
-            .saturating_add(args.num_new_computed_tokens)
-            .saturating_add(args.num_external_computed_tokens)
-            .saturating_add(args.num_new_tokens)
     }
 
     /// Whether the call names only token counts, which the running path may serve.
@@ -1322,6 +1318,22 @@ impl Coordinator {
         req: &RequestView<'_>,
         args: &AllocateArgs<'_>,
     ) -> bool {
+        self.allocate_is_noop_reading(pool, req, args, || req.num_tokens)
+    }
+
+    /// [`Self::allocate_is_noop`] for a caller whose request's token count is costly to read:
+    /// `req.num_tokens` may be any bound at or above the count (`usize::MAX`: unread), and
+    /// `num_tokens` reads the count. The count only caps the tokens the call caches, so it is
+    /// read only when a group fills a block with the bound; then the group's cache length is
+    /// taken again with the count.
+    #[inline(always)]
+    pub fn allocate_is_noop_reading(
+        &self,
+        pool: &BlockPool,
+        req: &RequestView<'_>,
+        args: &AllocateArgs<'_>,
+        num_tokens: impl Fn() -> usize,
+    ) -> bool {
         if args.num_new_tokens == 0
             || !Self::counts_only(args)
             || args.reserved_blocks > 0
@@ -1332,28 +1344,31 @@ impl Coordinator {
         let t = TokenCounts::of(self, pool, req, args);
         t.wm == 0
             && self.groups.iter().enumerate().all(|(i, g)| {
-                self.running_step(i, g, req, &t)
-                    .is_some_and(|(count, s)| count <= 0 && s.want <= s.have && !s.fills)
+                self.running_step(i, g, req, &t).is_some_and(|(count, s)| {
+                    count <= 0
+                        && s.want <= s.have
+                        && !(s.fills && self.fills_counted(i, g, &s, t.to_cache, &num_tokens))
+                })
             })
     }
 
-    /// [`Self::allocate_is_noop`] for a caller that asked it first with an unbounded count
-    /// (`req.num_tokens` of `usize::MAX`, the request's count unread) and got a no: the answer
-    /// for the count `num_tokens`. The count only caps the tokens the call caches, so a yes for
-    /// an unbounded count is a yes for every count, and a no is a no for every count at or
-    /// above [`Self::tokens_a_call_may_cache`]; only a shorter one is asked about again. Out
-    /// of line, so that the first question's code stays inline in its caller.
+    /// Whether group `i` (`g`), which fills a block of its step `s` caching up to `to_cache`
+    /// tokens, still fills one when the request's count `num_tokens` caps that.
     #[cold]
     #[inline(never)]
-    pub fn allocate_is_noop_counted(
+    fn fills_counted(
         &self,
-        pool: &BlockPool,
-        req: &RequestView<'_>,
-        args: &AllocateArgs<'_>,
-        num_tokens: usize,
+        i: usize,
+        g: &SingleTypeManager,
+        s: &RunningStep,
+        to_cache: usize,
+        num_tokens: &impl Fn() -> usize,
     ) -> bool {
-        num_tokens < Self::tokens_a_call_may_cache(req.num_computed_tokens, args)
-            && self.allocate_is_noop(pool, &RequestView { num_tokens, ..*req }, args)
+        let counted = to_cache.min(num_tokens());
+        counted == to_cache || {
+            let cached = g.tables.at_slot(s.slot).num_cached.unwrap_or(0);
+            block_fills(cached, g.block_size(), self.cache_length(i, counted))
+        }
     }
 
     /// Whether [`Self::allocate_slots`] with these arguments may cache a full block (and so

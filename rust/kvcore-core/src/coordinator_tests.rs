@@ -828,31 +828,41 @@ fn a_noop_call_changes_nothing() {
                     ..new_tokens(n)
                 };
                 let noop = m.allocate_is_noop(&p, &r, &args);
-                // `num_tokens` only caps what the call caches: a bound above the count answers
-                // yes only where the count does, and alike for every count at or above
-                // `tokens_a_call_may_cache` (`allocate_is_noop_counted` asks only then).
-                let bound = Coordinator::tokens_a_call_may_cache(computed, &args);
+                // `num_tokens` only caps what the call caches: asked with a bound above the
+                // count (unbounded, or a few tokens more) and the count read on demand, the
+                // answer is the count's, and the count is read only when the bound's answer
+                // would be no.
                 let with =
                     |num_tokens| m.allocate_is_noop(&p, &RequestView { num_tokens, ..r }, &args);
                 let unread = with(usize::MAX);
-                for num_tokens in [computed, computed + n - 1, bound, bound + 5] {
+                for num_tokens in [computed, computed + n - 1, computed + n, computed + n + 4] {
                     let answer = with(num_tokens);
-                    // The same answer with the count read only when needed.
-                    assert_eq!(
-                        unread || m.allocate_is_noop_counted(&p, &r, &args, num_tokens),
-                        answer,
-                        "{kind:?} step {step} num_tokens {num_tokens}"
-                    );
+                    for bound in [usize::MAX, num_tokens, num_tokens + 3] {
+                        let reads = std::cell::Cell::new(0);
+                        let lazy = m.allocate_is_noop_reading(
+                            &p,
+                            &RequestView {
+                                num_tokens: bound,
+                                ..r
+                            },
+                            &args,
+                            || {
+                                reads.set(reads.get() + 1);
+                                num_tokens
+                            },
+                        );
+                        assert_eq!(
+                            lazy, answer,
+                            "{kind:?} step {step} num_tokens {num_tokens} bound {bound}"
+                        );
+                        if with(bound) {
+                            assert_eq!(reads.get(), 0, "{kind:?} step {step}");
+                        }
+                    }
                     assert!(
                         !unread || answer,
                         "{kind:?} step {step} num_tokens {num_tokens}"
                     );
-                    if num_tokens >= bound {
-                        assert_eq!(
-                            answer, unread,
-                            "{kind:?} step {step} num_tokens {num_tokens}"
-                        );
-                    }
                 }
                 let groups = m.groups.len();
                 let tables = |m: &Coordinator| -> Vec<Vec<BlockId>> {

@@ -108,6 +108,25 @@ unsafe fn small_int_311(obj: *mut pyo3::ffi::PyObject) -> Option<i64> {
     unsafe {
         let p = obj.cast::<u8>();
         let size = *p.add(OB_SIZE).cast::<isize>();
+        // A count of tokens is most often one positive digit: that case is read inline.
+        if size == 1 {
+            return Some(i64::from(*p.add(OB_DIGIT).cast::<u32>()));
+        }
+        small_int_311_sized(p, size)
+    }
+}
+
+/// [`small_int_311`] of an int of `size` digits other than one, at `p`.
+///
+/// # Safety
+/// As [`small_int_311`]'s; `size` is the int's `ob_size`.
+#[allow(unsafe_code)]
+#[inline(never)]
+unsafe fn small_int_311_sized(p: *const u8, size: isize) -> Option<i64> {
+    use long_layout::*;
+    // SAFETY: the int has `|size|` digits (one, 0, when its size is 0): each digit read is
+    // within the object.
+    unsafe {
         let digit = |i: usize| i64::from(*p.add(OB_DIGIT).cast::<u32>().add(i));
         match size {
             0 => Some(0),

@@ -751,7 +751,9 @@ impl Inner {
             waiting_or_preempted: false,
             hints,
         };
-        if self.decide_noop(py, &view, Some(&entry.slot_addr), args, next, None) {
+        if self.decide_noop(py, &view, Some(&entry.slot_addr), args, next, || {
+            view.num_tokens
+        }) {
             return Noop::Yes;
         }
         // The whole path takes the fields as read here.
@@ -791,11 +793,9 @@ impl Inner {
                 hints: &state.hints[..self.num_groups.min(state.hints.len())],
             };
             // A token list the base holds is read only when the answer needs its length
-            // (`Coordinator::allocate_is_noop_counted`).
-            let count = || r.num_tokens();
-            let unread: Option<&dyn Fn() -> usize> = if r.noted { Some(&count) } else { None };
+            // (`Coordinator::allocate_is_noop_reading`).
             (
-                self.decide_noop(py, &view, None, args, next, unread),
+                self.decide_noop(py, &view, None, args, next, || r.num_tokens()),
                 r.noted,
             )
         };
@@ -837,7 +837,7 @@ impl Inner {
             waiting_or_preempted: false,
             hints: &c.hints[..self.num_groups.min(c.hints.len())],
         };
-        if self.decide_noop(py, &view, None, args, next, None) {
+        if self.decide_noop(py, &view, None, args, next, || view.num_tokens) {
             Noop::Yes
         } else {
             Noop::No(None)
@@ -846,10 +846,11 @@ impl Inner {
 
     /// The no-op question itself ([`Coordinator::allocate_is_noop`]) with the manager held
     /// (`false` when this thread's own call holds it), refreshing the hints and noting the slot of a
-    /// plain request's entry when the answer is yes; runs the batch's prefetch. `unread`: the
-    /// request's token count, where `view.num_tokens` is unbounded (`usize::MAX`), read only
-    /// when that answer is no ([`Coordinator::allocate_is_noop_counted`]).
-    #[inline]
+    /// plain request's entry when the answer is yes; runs the batch's prefetch. `num_tokens`:
+    /// the request's token count, read only when the answer depends on it, where
+    /// `view.num_tokens` may be a bound above it ([`Coordinator::allocate_is_noop_reading`]).
+    /// Inlined in each kind's function, so that the view stays in registers.
+    #[inline(always)]
     fn decide_noop(
         &self,
         py: Python<'_>,
@@ -857,7 +858,7 @@ impl Inner {
         slot: Option<&std::cell::Cell<[usize; 2]>>,
         args: &AllocateArgs<'_>,
         next: Option<(&Bound<'_, PyList>, usize)>,
-        unread: Option<&dyn Fn() -> usize>,
+        num_tokens: impl Fn() -> usize,
     ) -> bool {
         let Ok(core) = self.lock(py) else {
             return false;
@@ -865,12 +866,8 @@ impl Inner {
         if let Some((list, i)) = next {
             self.prefetch_next(&core, list, i);
         }
-        let noop = lock_cell(py, self.pool(py).get().cell(), "pool").is_ok_and(|pool| {
-            core.allocate_is_noop(pool.core(), view, args)
-                || unread.is_some_and(|count| {
-                    core.allocate_is_noop_counted(pool.core(), view, args, count())
-                })
-        });
+        let noop = lock_cell(py, self.pool(py).get().cell(), "pool")
+            .is_ok_and(|pool| core.allocate_is_noop_reading(pool.core(), view, args, num_tokens));
         if noop {
             Self::note_slot(&core, slot, view.hints);
         }

@@ -136,8 +136,26 @@ where
 ///
 /// # Errors
 /// `InvariantViolationError` for a re-entrant call (this thread's call holds it).
-#[inline]
+#[inline(always)]
 pub fn lock_cell<'a, T>(py: Python<'_>, cell: &'a GilCell<T>, what: &str) -> PyResult<Held<'a, T>> {
+    if let Ok(value) = cell.value.try_borrow_mut() {
+        cell.owner.set(current_thread(py));
+        return Ok(Held {
+            value,
+            _owner: Release(&cell.owner),
+        });
+    }
+    lock_cell_held(py, cell, what)
+}
+
+/// [`lock_cell`] of a cell a call holds: out of line, as a call rarely finds one.
+#[cold]
+#[inline(never)]
+fn lock_cell_held<'a, T>(
+    py: Python<'_>,
+    cell: &'a GilCell<T>,
+    what: &str,
+) -> PyResult<Held<'a, T>> {
     loop {
         if let Ok(value) = cell.value.try_borrow_mut() {
             cell.owner.set(current_thread(py));
