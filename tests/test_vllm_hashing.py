@@ -17,6 +17,7 @@ from vllm.utils import hashing as vllm_hashing
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.request import Request
 
+import kvcore.hashing
 import kvcore.vllm
 import kvcore.vllm.plugin
 from kvcore._native import RequestBlockHasher
@@ -136,3 +137,64 @@ def test_vllm_loads_the_entry_point() -> None:
         "assert getattr(c.get_request_block_hasher, '__kvcore_wrapper__', False)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_hasher_reads_vllm_token_lists_natively() -> None:
+    """A vLLM request's ``all_token_ids`` (a ``ConstantList``) is read from the list it wraps:
+    its hashes are vLLM's and the Python closure never runs; any other view goes to it. As
+    vLLM's hasher, the tokens are read only when a window is full."""
+    from vllm.v1.utils import ConstantList
+
+    fn = vllm_hashing.sha256
+    kv_cache_utils.init_none_hash(fn)
+    python_calls: list[Any] = []
+    fallback = kvcore.hashing.get_request_block_hasher(
+        4, kvcore.hashing.sha256, none_hash=lambda: kv_cache_utils.NONE_HASH
+    )
+
+    def counted(request: Any) -> Any:
+        python_calls.append(request)
+        return fallback(request)
+
+    def none_hash() -> bytes:
+        value: bytes = kv_cache_utils.NONE_HASH
+        return value
+
+    hasher = RequestBlockHasher("sha256", 4, none_hash, counted, (ConstantList, "_x"))
+    ref = kv_cache_utils.get_request_block_hasher(4, fn)
+    reqs = [
+        Request("r", list(range(10)), SamplingParams(max_tokens=99), None, block_hasher=h)
+        for h in (ref, hasher)
+    ]
+    for token in range(30):
+        for r in reqs:
+            r.append_output_token_ids(token)
+    assert reqs[1].block_hashes == reqs[0].block_hashes
+    assert len(reqs[0].block_hashes) == 10
+    assert python_calls == []
+
+    class Other:
+        """A request whose token view is no ConstantList, then one wrapping a tuple."""
+
+        block_hashes: list[Any] = []  # noqa: RUF012
+        num_tokens = 8
+        all_token_ids: Any = tuple(range(8))
+        lora_request = cache_salt = prompt_embeds = None
+        mm_features: list[Any] = []  # noqa: RUF012
+
+    other = Other()
+    assert hasher(other) == fallback(other)
+    assert len(python_calls) == 1
+    other.all_token_ids = ConstantList(tuple(range(8)))
+    assert hasher(other) == fallback(other)
+    assert len(python_calls) == 2
+
+    class NoFullWindow(Other):
+        num_tokens = 3
+
+        @property
+        def all_token_ids(self) -> Any:
+            raise AssertionError("read without a full window")
+
+    assert hasher(NoFullWindow()) == []
+    assert len(python_calls) == 2

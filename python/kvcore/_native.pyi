@@ -531,6 +531,7 @@ class RequestBlockHasher:
         hash_block_size: int,
         none_hash: Callable[[], bytes],
         fallback: Callable[[Any], Any],
+        list_view: tuple[type, str] | None = None,
     ) -> RequestBlockHasher: ...
     def __call__(self, request: Any) -> list[bytes]: ...
 

@@ -406,6 +406,7 @@ def get_request_block_hasher(
     caching_hash_fn: HashFunction,
     *,
     none_hash: Callable[[], bytes] | None = None,
+    list_view: tuple[type, str] | None = None,
 ) -> Callable[[Any], list[BlockHash]]:
     """A function returning the hashes of a request's new full windows (SPEC RH-1).
 
@@ -422,6 +423,11 @@ def get_request_block_hasher(
         none_hash: Where the first block's parent comes from, read at every call (a kvcore
             extension, e.g. ``lambda: vllm.v1.core.kv_cache_utils.NONE_HASH`` to chain from
             vLLM's); by default this module's :data:`NONE_HASH`.
+        list_view: A read-only sequence class and the attribute holding the list it wraps,
+            whose exact instances index as that list (a kvcore extension, e.g. vLLM's
+            ``(ConstantList, "_x")``): the native hasher reads a request's ``all_token_ids`` of
+            that class from the list, where it would otherwise hand the request to the Python
+            closure.
 
     Returns:
         ``hasher(request) -> list[BlockHash]``; the caller extends ``block_hashes`` with it.
@@ -476,7 +482,9 @@ def get_request_block_hasher(
     if name is not None and hbs <= _NATIVE_MAX_BLOCK_SIZE:
         # Requests without extra keys are hashed entirely in Rust; the closure above serves
         # the others.
-        native = _native.RequestBlockHasher(name, hbs, first_parent, request_block_hasher)
+        native = _native.RequestBlockHasher(
+            name, hbs, first_parent, request_block_hasher, list_view
+        )
         return cast("Callable[[Any], list[BlockHash]]", native)
     return request_block_hasher
 

@@ -10,7 +10,7 @@ use kvcore_core::hashing::{new_full_windows, BlockHasher, HashError, HashFn};
 use kvcore_core::value::Value;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::args::{exact_i64, exact_i64s};
 use crate::request::PyRequestCore;
@@ -314,9 +314,25 @@ pub struct PyRequestBlockHasher {
     /// Returns the current NONE_HASH (read when a request's first window is hashed).
     none_hash: PyObject,
     fallback: PyObject,
+    /// A read-only sequence class whose exact instances wrap a list in the named attribute
+    /// and index it as that list (vLLM's `ConstantList`, `_x`): a request's `all_token_ids` of
+    /// that class is read from the list it wraps.
+    list_view: Option<(Py<PyType>, Py<PyString>)>,
 }
 
 impl PyRequestBlockHasher {
+    /// A request's token ids as a list: `all_token_ids` itself, or the list a view of the
+    /// registered class wraps; `None` for anything else (the Python hasher then reads them).
+    fn token_list<'py>(&self, all: Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyList>>> {
+        if let Some((cls, attr)) = &self.list_view {
+            if std::ptr::eq(all.get_type_ptr(), cls.as_ptr().cast()) {
+                let inner = all.getattr(attr.bind(all.py()))?;
+                return Ok(inner.downcast_into_exact::<PyList>().ok());
+            }
+        }
+        Ok(all.downcast_into::<PyList>().ok())
+    }
+
     /// The token range of the request's new full windows (SPEC RH-1, in the core).
     fn window(&self, done: usize, num_tokens: usize) -> Option<(usize, usize)> {
         new_full_windows(done, num_tokens, self.hash_block_size)
@@ -431,11 +447,13 @@ impl PyRequestBlockHasher {
 #[pymethods]
 impl PyRequestBlockHasher {
     #[new]
+    #[pyo3(signature = (hash_fn_name, hash_block_size, none_hash, fallback, list_view = None))]
     fn new(
         hash_fn_name: &str,
         hash_block_size: usize,
         none_hash: PyObject,
         fallback: PyObject,
+        list_view: Option<(Bound<'_, PyType>, Bound<'_, PyString>)>,
     ) -> PyResult<Self> {
         if hash_block_size == 0 {
             return Err(to_py_err(HashError::ZeroBlockSize));
@@ -445,6 +463,7 @@ impl PyRequestBlockHasher {
             hash_block_size,
             none_hash,
             fallback,
+            list_view: list_view.map(|(cls, attr)| (cls.unbind(), attr.unbind())),
         })
     }
 
@@ -462,10 +481,23 @@ impl PyRequestBlockHasher {
             }
             return self.fallback.bind(py).call1((request,));
         }
+        // Any other request is read in the reference's order: its hashes and its count, and
+        // its tokens only when a window is full (most appends fill none).
+        let Ok(h) = hashes.downcast::<PyList>() else {
+            return self.fallback.bind(py).call1((request,));
+        };
+        let Ok(num_tokens) = request
+            .getattr(intern!(py, "num_tokens"))?
+            .extract::<usize>()
+        else {
+            return self.fallback.bind(py).call1((request,));
+        };
+        if self.window(h.len(), num_tokens).is_none() {
+            return Ok(PyList::empty(py).into_any());
+        }
         let all = request.getattr(intern!(py, "all_token_ids"))?;
-        if let (Ok(h), Ok(a)) = (hashes.downcast::<PyList>(), all.downcast::<PyList>()) {
-            let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
-            if let Some(out) = self.new_hashes(request, h, a, num_tokens)? {
+        if let Some(a) = self.token_list(all)? {
+            if let Some(out) = self.new_hashes(request, h, &a, num_tokens)? {
                 return Ok(PyList::new(py, out.iter().map(|x| py_hash(py, x)))?.into_any());
             }
         }
