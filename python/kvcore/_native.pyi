@@ -437,6 +437,11 @@ class PlainRequestBase:
     the request's table key and slot hints. Takes and ignores any constructor arguments."""
 
     def __new__(cls, *_args: Any, **_kwargs: Any) -> Self: ...
+    @staticmethod
+    def _serve_append(cls: type, fallback: Callable[[Any, Any], None]) -> None:
+        """Has ``append_output_token_ids`` serve ``cls``; ``fallback`` serves other classes."""
+    def append_output_token_ids(self, token_ids: Any) -> None:
+        """vLLM's ``Request.append_output_token_ids``, natively, for the class it serves."""
 
 @disjoint_base
 class RequestCore:

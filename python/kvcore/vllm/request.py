@@ -12,6 +12,12 @@ own requests does (the README's request-decode figures); the base holds the toke
 call has checked it, and the list's length is read only when a call's answer depends on it.
 Python code reads and writes slots at least as fast as dict attributes.
 
+Its ``append_output_token_ids`` (the scheduler calls it for every new token) is vLLM's, run
+natively by the base: the same list appends or extends in the same order, then
+``update_block_hashes``'s work, except that kvcore's own block hasher is not called when the
+request has no new full block (it would return no hashes). A subclass gets vLLM's Python
+method.
+
 When kvcore's scheduler class is built, kvcore's ``vllm.general_plugins`` entry point has vLLM's
 engine build its requests as this class (:mod:`kvcore.vllm.plugin`). A plain
 ``vllm.v1.request.Request`` still works everywhere, read from its instance dict.
@@ -31,3 +37,8 @@ class Request(VllmRequest, PlainRequestBase):  # type: ignore[misc]
     table key and hints in its native base (see the module)."""
 
     __slots__ = ("_all_token_ids", "num_computed_tokens", "num_prompt_tokens", "request_id")
+
+    append_output_token_ids = PlainRequestBase.append_output_token_ids
+
+
+PlainRequestBase._serve_append(Request, VllmRequest.append_output_token_ids)

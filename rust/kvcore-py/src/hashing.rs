@@ -334,7 +334,7 @@ impl PyRequestBlockHasher {
     }
 
     /// The token range of the request's new full windows (SPEC RH-1, in the core).
-    fn window(&self, done: usize, num_tokens: usize) -> Option<(usize, usize)> {
+    pub(crate) fn window(&self, done: usize, num_tokens: usize) -> Option<(usize, usize)> {
         new_full_windows(done, num_tokens, self.hash_block_size)
     }
 

@@ -1348,6 +1348,99 @@ impl PlainState {
             .and_then(|mut k| k.as_mut().and_then(|k| k.tokens.take()));
         drop(taken);
     }
+
+    /// Has [`Self::append_output_token_ids`] serve `cls` (`kvcore.vllm.Request`), whose append
+    /// and `update_block_hashes` are vLLM's `Request`'s and whose `num_tokens` is the length
+    /// of its `_all_token_ids`; `fallback` (vLLM's `append_output_token_ids`) serves any other
+    /// class. Once per process: another class is refused (`InvalidArgumentError`).
+    #[staticmethod]
+    fn _serve_append(cls: &Bound<'_, PyType>, fallback: PyObject) -> PyResult<()> {
+        let py = cls.py();
+        let served = APPEND.get_or_init(py, || ServedAppend {
+            cls: cls.clone().unbind(),
+            fallback,
+        });
+        if served.cls.bind(py).is(cls) {
+            Ok(())
+        } else {
+            Err(invalid(
+                "append_output_token_ids already serves another class",
+            ))
+        }
+    }
+
+    /// vLLM's `Request.append_output_token_ids`, natively, for the class it serves (see
+    /// [`Self::_serve_append`]): the token (any `int`) appended to `_output_token_ids` and
+    /// `_all_token_ids`, anything else extending them, then `update_block_hashes`: its hasher's
+    /// new hashes extend `block_hashes`. kvcore's own hasher is not called when the request has
+    /// no new full window (it would return none). Any other class's instance is handed to
+    /// vLLM's method.
+    #[pyo3(signature = (token_ids))]
+    fn append_output_token_ids(
+        slf: &Bound<'_, Self>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let Some(served) = APPEND.get(py) else {
+            return Err(invalid("append_output_token_ids serves no class"));
+        };
+        if !std::ptr::eq(slf.get_type_ptr(), served.cls.as_ptr().cast()) {
+            served.fallback.bind(py).call1((slf, token_ids))?;
+            return Ok(());
+        }
+        let (output, all) = (
+            intern!(py, "_output_token_ids"),
+            intern!(py, "_all_token_ids"),
+        );
+        if token_ids.is_instance_of::<pyo3::types::PyInt>() {
+            list_append(&slf.getattr(output)?, token_ids)?;
+            list_append(&slf.getattr(all)?, token_ids)?;
+        } else {
+            slf.getattr(output)?
+                .call_method1(intern!(py, "extend"), (token_ids,))?;
+            slf.getattr(all)?
+                .call_method1(intern!(py, "extend"), (token_ids,))?;
+        }
+        let hasher = slf.getattr(intern!(py, "_block_hasher"))?;
+        if hasher.is_none() {
+            return Ok(());
+        }
+        let hashes = slf.getattr(intern!(py, "block_hashes"))?;
+        if let Ok(native) = hasher.downcast_exact::<crate::hashing::PyRequestBlockHasher>() {
+            // What that hasher reads: the hash list's length and `num_tokens` (this class's
+            // is the token list's length).
+            if let (Ok(list), Ok(tokens)) = (
+                hashes.downcast_exact::<PyList>(),
+                slf.getattr(all)?.downcast_into_exact::<PyList>(),
+            ) {
+                if native.get().window(list.len(), tokens.len()).is_none() {
+                    return Ok(());
+                }
+            }
+        }
+        let new = hasher.call1((slf,))?;
+        hashes.call_method1(intern!(py, "extend"), (new,))?;
+        Ok(())
+    }
+}
+
+/// The class [`PlainState::append_output_token_ids`] serves, and vLLM's method for others.
+struct ServedAppend {
+    cls: Py<PyType>,
+    fallback: PyObject,
+}
+
+static APPEND: GILOnceCell<ServedAppend> = GILOnceCell::new();
+
+/// `target.append(item)`: natively for an exact list, else by calling its method.
+#[inline]
+fn list_append(target: &Bound<'_, PyAny>, item: &Bound<'_, PyAny>) -> PyResult<()> {
+    match target.downcast_exact::<PyList>() {
+        Ok(list) => list.append(item),
+        Err(_) => target
+            .call_method1(intern!(target.py(), "append"), (item,))
+            .map(drop),
+    }
 }
 
 /// A plain request's table key and slot hints, found by the address of its `request_id` str.

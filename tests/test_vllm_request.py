@@ -1,0 +1,186 @@
+"""``kvcore.vllm.Request.append_output_token_ids``: vLLM's method run natively, checked against
+vLLM's own ``Request`` call by call."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.request")
+
+from vllm.sampling_params import SamplingParams
+from vllm.utils import hashing as vllm_hashing
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.request import Request as VllmRequest
+
+import kvcore.vllm
+from kvcore._native import PlainRequestBase
+from kvcore.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.reference
+
+BLOCK = 4
+
+
+def _hasher(kind: str, calls: list[int]) -> Callable[[Any], list[Any]] | None:
+    """A block hasher of one kind; ``counted`` notes each call in ``calls``."""
+    fn = vllm_hashing.sha256
+    if kind == "none":
+        return None
+    if kind == "vllm":
+        made: Callable[[Any], list[Any]] = kv_cache_utils.get_request_block_hasher(BLOCK, fn)
+        return made
+    if kind == "kvcore":
+        return kvcore.vllm.get_request_block_hasher(BLOCK, fn)
+    ref = kv_cache_utils.get_request_block_hasher(BLOCK, fn)
+
+    def counted(request: Any) -> list[Any]:
+        calls.append(request.num_tokens)
+        hashes: list[Any] = ref(request)
+        return hashes
+
+    return counted
+
+
+def _pair(kind: str) -> tuple[VllmRequest, kvcore.vllm.Request, list[int], list[int]]:
+    """vLLM's request and kvcore's, alike, each with its own hasher of ``kind``."""
+    calls: tuple[list[int], list[int]] = ([], [])
+    made = [
+        cls(
+            "r",
+            list(range(6)),
+            SamplingParams(max_tokens=500),
+            None,
+            block_hasher=_hasher(kind, c),
+        )
+        for cls, c in zip((VllmRequest, kvcore.vllm.Request), calls, strict=True)
+    ]
+    ref, ours = made
+    assert isinstance(ours, kvcore.vllm.Request)
+    return ref, ours, calls[0], calls[1]
+
+
+def _state(r: VllmRequest) -> tuple[Any, ...]:
+    return (
+        list(r._all_token_ids),
+        list(r._output_token_ids),
+        list(r.block_hashes),
+        r.num_tokens,
+        list(r.all_token_ids),
+        list(r.output_token_ids),
+    )
+
+
+def _tokens(rng: random.Random) -> Any:
+    """One argument of the kinds a caller may pass."""
+    pick = rng.randrange(9)
+    if pick < 4:
+        return rng.randrange(50_000)
+    if pick == 4:
+        return [rng.randrange(50_000) for _ in range(rng.randrange(6))]
+    if pick == 5:
+        return tuple(rng.randrange(50_000) for _ in range(rng.randrange(6)))
+    if pick == 6:
+        return rng.choice([True, False, 2**70, -3])
+    if pick == 7:
+        n = rng.randrange(5)
+
+        def gen() -> Iterator[int]:
+            yield from range(n)
+
+        return gen
+    return []
+
+
+@pytest.mark.parametrize("kind", ["vllm", "kvcore", "none", "counted"])
+@pytest.mark.parametrize("seed", range(4))
+def test_append_matches_vllms(kind: str, seed: int) -> None:
+    """Every argument kind, with each kind of hasher: the same lists and hashes after every
+    call, and a Python hasher called as often, at the same counts."""
+    kv_cache_utils.init_none_hash(vllm_hashing.sha256)
+    rng = random.Random(seed)
+    ref, ours, ref_calls, our_calls = _pair(kind)
+    for _ in range(120):
+        arg = _tokens(rng)
+        for r in (ref, ours):
+            r.append_output_token_ids(arg() if callable(arg) else arg)
+        assert _state(ours) == _state(ref)
+        assert our_calls == ref_calls
+    if kind != "none":
+        assert len(ref.block_hashes) == ref.num_tokens // BLOCK
+
+
+def test_append_by_keyword_and_errors_as_vllms() -> None:
+    """The keyword form works; a bad argument, a hasher that raises and a replaced list give
+    vLLM's exception and vLLM's state."""
+    kv_cache_utils.init_none_hash(vllm_hashing.sha256)
+    ref, ours, _, _ = _pair("vllm")
+    for r in (ref, ours):
+        r.append_output_token_ids(token_ids=7)
+    assert _state(ours) == _state(ref)
+    for bad in (None, 3.5, object()):
+        errors = []
+        for r in (ref, ours):
+            with pytest.raises(TypeError) as info:
+                r.append_output_token_ids(bad)
+            errors.append(str(info.value))
+        assert errors[0] == errors[1]
+        assert _state(ours) == _state(ref)
+
+    def failing(request: Any) -> list[Any]:
+        raise RuntimeError("hasher down")
+
+    for r in (ref, ours):
+        r._block_hasher = failing
+        with pytest.raises(RuntimeError, match="hasher down"):
+            r.append_output_token_ids(1)
+    assert _state(ours) == _state(ref)
+
+    class Recording(list[int]):
+        """A list subclass whose appends are seen."""
+
+        seen: list[int]
+
+        def append(self, item: int) -> None:
+            self.seen.append(item)
+            super().append(item)
+
+    for r in (ref, ours):
+        r._block_hasher = None
+        rec = Recording(r._output_token_ids)
+        rec.seen = []
+        r._output_token_ids = rec
+        r.append_output_token_ids(9)
+        assert rec.seen == [9]
+        del r._output_token_ids
+        with pytest.raises(AttributeError, match="_output_token_ids"):
+            r.append_output_token_ids(9)
+
+
+def test_a_subclass_gets_vllms_method() -> None:
+    """A subclass of kvcore's request is served by vLLM's Python method, so what it overrides
+    is called; the native append serves one class only."""
+    kv_cache_utils.init_none_hash(vllm_hashing.sha256)
+    updates: list[int] = []
+
+    class Sub(kvcore.vllm.Request):
+        __slots__ = ()
+
+        def update_block_hashes(self) -> None:
+            updates.append(self.num_tokens)
+            super().update_block_hashes()
+
+    hasher = kvcore.vllm.get_request_block_hasher(BLOCK, vllm_hashing.sha256)
+    sub = Sub("s", [1, 2, 3], SamplingParams(max_tokens=9), None, block_hasher=hasher)
+    updates.clear()
+    sub.append_output_token_ids(4)
+    sub.append_output_token_ids([5, 6])
+    assert updates == [4, 6]
+    assert sub.num_tokens == 6
+    assert len(sub.block_hashes) == 1
+    PlainRequestBase._serve_append(kvcore.vllm.Request, VllmRequest.append_output_token_ids)
+    with pytest.raises(InvalidArgumentError, match="another class"):
+        PlainRequestBase._serve_append(Sub, VllmRequest.append_output_token_ids)
