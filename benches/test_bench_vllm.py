@@ -384,7 +384,7 @@ def test_bench_vllm_request_decode(
         "kvcore": (kvcore_request, KvcoreStatus.RUNNING),
     }
 
-    def run(kind: str) -> float:
+    def run(kind: str) -> tuple[float, float]:
         mgr = kvcore.vllm.KVCacheManager(
             h.kv_cache_config(setup),
             max_model_len=8192,
@@ -409,25 +409,31 @@ def test_bench_vllm_request_decode(
             r.num_computed_tokens = r.num_tokens
         allocate = mgr.allocate_slots
         gc.collect()
-        in_allocate = 0.0
+        in_allocate = in_append = 0.0
         for s in range(steps):
             start = time.perf_counter()
             for r in reqs:
                 allocate(r, 1)
             in_allocate += time.perf_counter() - start
+            start = time.perf_counter()
             for r in everyone:
                 r.num_computed_tokens += 1
                 r.append_output_token_ids(s)
+            in_append += time.perf_counter() - start
             mgr.take_events()
-        return in_allocate / (steps * running) * 1e6
+        per_request = 1e6 / (steps * len(everyone))
+        return in_allocate / (steps * running) * 1e6, in_append * per_request
 
     results: dict[str, list[float]] = {k: [] for k in kinds}
+    appends: dict[str, list[float]] = {k: [] for k in kinds}
     rounds = 7
 
     def measure() -> None:
         for _ in range(rounds):  # alternate, so the machine's drift hits all three
             for k in kinds:
-                results[k].append(run(k))
+                allocate_us, append_us = run(k)
+                results[k].append(allocate_us)
+                appends[k].append(append_us)
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
     v, e, k = (min(results[n]) for n in ("vllm", "engine", "kvcore"))
@@ -448,3 +454,14 @@ def test_bench_vllm_request_decode(
             f"(best of {rounds}; median ratio of {rounds} rounds): vLLM Request {v:.3f} "
             f"({rv:.2f}x) / kvcore.vllm.Request {e:.3f} ({re_:.2f}x) / kvcore Request {k:.3f}"
         )
+    if work == "alone":
+        # Each kind's own appends (under `shared` every round appends to all three kinds).
+        a = {n: statistics.median(appends[n]) for n in kinds}
+        for n in kinds:
+            benchmark.extra_info[f"{n}_append_us"] = a[n]
+        with capsys.disabled():
+            print(
+                f"num_computed_tokens += 1 and append_output_token_ids, µs per request (median "
+                f"of {rounds}): vLLM Request {a['vllm']:.3f} / kvcore.vllm.Request "
+                f"{a['engine']:.3f} / kvcore Request {a['kvcore']:.3f}"
+            )
