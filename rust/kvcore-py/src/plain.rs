@@ -1105,7 +1105,7 @@ impl<'py> PlainRequest<'py> {
         };
         if !kept.as_ref().is_some_and(|k| k.id.is(&id)) {
             let id = request_id_of(&id)?;
-            let key = crate::args::id_key(id)?.into_owned();
+            let key = crate::args::id_key(id)?.into_owned().into_boxed_str();
             for h in &base.hints {
                 h.set(None);
             }
@@ -1301,7 +1301,13 @@ impl<'a, 'py> Fields<'a, 'py> {
 /// reset. The hints are only hints: tables check a hint's owner and slot generation, so a
 /// request shared by managers is answered right. It takes and ignores any constructor
 /// arguments (its subclass's `__init__` reads them).
+///
+/// Laid out in declaration order (`repr(C)`), so that what a decode call reads of the base
+/// shares the object's first line with its header (the cell's flag, the id and the token
+/// list) and the next (the first group's hint), and the subclass's slots, after the base,
+/// start on the line after that.
 #[pyclass(module = "kvcore._native", name = "PlainRequestBase", subclass, frozen)]
+#[repr(C)]
 pub(crate) struct PlainState {
     /// The id the key was made for, and the key; held by a call for its length.
     kept: GilCell<Option<KeptId>>,
@@ -1311,10 +1317,11 @@ pub(crate) struct PlainState {
 
 /// A request id and its table key (`crate::args::id_key`), and the request's token list once
 /// checked to be an exact list ([`PlainClass::note_tokens`]).
+#[repr(C)]
 struct KeptId {
     id: Py<PyString>,
-    key: String,
     tokens: Option<Py<PyList>>,
+    key: Box<str>,
 }
 
 #[pymethods]

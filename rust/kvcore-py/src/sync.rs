@@ -19,7 +19,9 @@ use pyo3::PyClass;
 
 use crate::errors::{error, Kind};
 
-/// State that only the thread holding the GIL touches, one call at a time.
+/// State that only the thread holding the GIL touches, one call at a time. The value first,
+/// in declaration order (`repr(C)`), for callers that lay out what holds it.
+#[repr(C)]
 pub struct GilCell<T> {
     value: RefCell<T>,
     /// The Python thread state of the call holding `value` (0 when none does).
