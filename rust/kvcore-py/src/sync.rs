@@ -141,13 +141,19 @@ where
 #[inline(always)]
 pub fn lock_cell<'a, T>(py: Python<'_>, cell: &'a GilCell<T>, what: &str) -> PyResult<Held<'a, T>> {
     if let Ok(value) = cell.value.try_borrow_mut() {
-        cell.owner.set(current_thread(py));
-        return Ok(Held {
-            value,
-            _owner: Release(&cell.owner),
-        });
+        return Ok(hold(py, cell, value));
     }
     lock_cell_held(py, cell, what)
+}
+
+/// `cell`'s state `value`, borrowed by this call, with this thread recorded as its owner.
+#[inline(always)]
+fn hold<'a, T>(py: Python<'_>, cell: &'a GilCell<T>, value: RefMut<'a, T>) -> Held<'a, T> {
+    cell.owner.set(current_thread(py));
+    Held {
+        value,
+        _owner: Release(&cell.owner),
+    }
 }
 
 /// [`lock_cell`] of a cell a call holds: out of line, as a call rarely finds one.
@@ -159,18 +165,14 @@ fn lock_cell_held<'a, T>(
     what: &str,
 ) -> PyResult<Held<'a, T>> {
     loop {
-        if let Ok(value) = cell.value.try_borrow_mut() {
-            cell.owner.set(current_thread(py));
-            return Ok(Held {
-                value,
-                _owner: Release(&cell.owner),
-            });
-        }
         if cell.owner.get() == current_thread(py) {
             return Err(reentrant(what));
         }
         // Another thread's call holds it and has let the GIL go (it runs Python code): let it
         // finish. Nothing of the cell is touched while the GIL is released.
         py.allow_threads(std::thread::yield_now);
+        if let Ok(value) = cell.value.try_borrow_mut() {
+            return Ok(hold(py, cell, value));
+        }
     }
 }
