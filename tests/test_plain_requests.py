@@ -23,6 +23,7 @@ from kvcore import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
+    RSWASpec,
     SlidingWindowSpec,
 )
 from kvcore._native import PlainRequestBase
@@ -134,22 +135,26 @@ LAYOUTS: dict[str, tuple[type[PlainRequest], type[PlainRequest], type[KVCacheMan
 """Plain request layouts: the plain class, a subclass read by attribute lookup, a manager."""
 
 
-def config(hybrid: bool) -> KVCacheConfig:
+def config(hybrid: bool | str) -> KVCacheConfig:
+    """Full attention, with a sliding-window group when `hybrid`; ``"rswa"`` adds a
+    reference sliding-window group instead, whose calls read the prompt length (RSWA-1)."""
     groups = [KVCacheGroupSpec(["full"], FullAttentionSpec(block_size=BLOCK, **ATTN))]
-    if hybrid:
+    if hybrid == "rswa":
+        groups.append(KVCacheGroupSpec(["rswa"], RSWASpec(block_size=BLOCK, rswa_window=8, **ATTN)))
+    elif hybrid:
         groups.append(
             KVCacheGroupSpec(["swa"], SlidingWindowSpec(block_size=BLOCK, sliding_window=8, **ATTN))
         )
     return KVCacheConfig(num_blocks=48, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def events_manager(hybrid: bool, cls: type[KVCacheManager] = PlainManager) -> KVCacheManager:
+def events_manager(hybrid: bool | str, cls: type[KVCacheManager] = PlainManager) -> KVCacheManager:
     """A plain-class manager of `config(hybrid)` with KV events on."""
     return plain_manager(hybrid, cls, enable_kv_cache_events=True)
 
 
 def plain_manager(
-    hybrid: bool, cls: type[KVCacheManager] = PlainManager, **kwargs: Any
+    hybrid: bool | str, cls: type[KVCacheManager] = PlainManager, **kwargs: Any
 ) -> KVCacheManager:
     """A manager of class `cls` (a plain class's) over `config(hybrid)`."""
     return cls(
@@ -254,9 +259,9 @@ def play(mgr: KVCacheManager, cls: type[PlainRequest], seed: int) -> list[Any]:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("hybrid", [False, True, "rswa"])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_plain_request_reads_as_by_attribute(layout: str, hybrid: bool, seed: int) -> None:
+def test_a_plain_request_reads_as_by_attribute(layout: str, hybrid: bool | str, seed: int) -> None:
     plain_cls, duck_cls, manager_cls = LAYOUTS[layout]
 
     def manager() -> KVCacheManager:

@@ -65,6 +65,43 @@ pub fn exact_int(obj: &Bound<'_, PyAny>) -> Option<Int> {
     exact_int_slow(obj)
 }
 
+/// Whether exact ints are read from their fields ([`small_int_311`]): CPython 3.11, its
+/// layout checked at import ([`probe_ints`]).
+#[inline]
+pub(crate) fn ints_are_311() -> bool {
+    INTS_ARE_311.load(Ordering::Relaxed)
+}
+
+/// [`exact_int`] as a count capped at [`COUNT_CAP`] ([`Int::count_capped`]), for a caller that
+/// checked [`ints_are_311`] once for many calls: a one-digit positive int (below 2**30, so
+/// under the cap), which most counts are, is read inline without asking again.
+///
+/// # Safety
+/// [`ints_are_311`] returned true; the GIL is held.
+#[allow(unsafe_code)]
+#[inline(always)]
+pub(crate) unsafe fn count_311(obj: &Bound<'_, PyAny>) -> Option<usize> {
+    const _: () = assert!(COUNT_CAP >= 1 << long_layout::SHIFT);
+    if !obj.is_exact_instance_of::<PyInt>() {
+        return None;
+    }
+    // SAFETY: `obj` is a live exact int with 3.11's layout (the caller's contract): its
+    // `ob_size` is its signed digit count, and a one-digit int has its digit where it is read.
+    unsafe {
+        let p = obj.as_ptr().cast::<u8>();
+        if *p.add(long_layout::OB_SIZE).cast::<isize>() == 1 {
+            return Some(*p.add(long_layout::OB_DIGIT).cast::<u32>() as usize);
+        }
+    }
+    count_cold(obj)
+}
+
+/// [`count_311`] of an int other than one positive digit.
+#[inline(never)]
+fn count_cold(obj: &Bound<'_, PyAny>) -> Option<usize> {
+    exact_int(obj)?.count_capped(COUNT_CAP)
+}
+
 /// [`exact_int`] through CPython's API.
 #[inline(never)]
 fn exact_int_slow(obj: &Bound<'_, PyAny>) -> Option<Int> {

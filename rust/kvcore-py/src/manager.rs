@@ -25,7 +25,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use crate::args::{count_of, counts_of, id_key, request_id_of, Count, Flag};
 use crate::errors::{invalid, to_pyerr, Error};
 use crate::events::EventStyle;
-use crate::plain::{Fields, PlainClass, PlainHints};
+use crate::plain::{Fields, PlainClass, PlainHints, Reader};
 use crate::pool::{
     extract_ids, list_or_copy, request_retention, stored_meta, to_hash, tokens_only_meta,
     PyBlockPool, PyRetention,
@@ -705,10 +705,12 @@ impl Inner {
         // and its entry in the hint map, a kvcore request's from its native base. Each kind in
         // a function of its own, so that a call runs the code of one.
         if let Some(plain) = self.plain_class(request) {
-            if plain.has_state() {
-                return self.state_noop(py, plain, request, args, next);
-            }
-            return self.plain_noop(py, plain, request, args, next);
+            return match (plain.reader(self.reads_prompt), self.reads_prompt) {
+                (Reader::State, false) => self.state_noop::<false>(py, plain, request, args, next),
+                (Reader::State, true) => self.state_noop::<true>(py, plain, request, args, next),
+                (Reader::Dict, _) => self.plain_noop(py, plain, request, args, next),
+                (Reader::Whole, _) => Noop::Unknown,
+            };
         }
         match self.cast.borrow(request) {
             Ok(Some(c)) => self.core_request_noop(py, &c, args, next),
@@ -771,7 +773,7 @@ impl Inner {
     /// [`Self::answers_noop`] for a request of the plain class `class` that keeps its decode
     /// fields and its [`crate::plain::PlainState`] in slots, read from them.
     #[inline(never)]
-    fn state_noop<'py>(
+    fn state_noop<'py, const PROMPT: bool>(
         &self,
         py: Python<'py>,
         class: &crate::plain::PlainClass,
@@ -780,7 +782,10 @@ impl Inner {
         next: Option<(&Bound<'py, PyList>, usize)>,
     ) -> Noop<'_, 'py> {
         let (noop, noted) = {
-            let Some(r) = class.read_state(request, self.reads_prompt) else {
+            #[allow(unsafe_code)]
+            // SAFETY: `class` is the request's exact class (`plain_class`), whose reader for
+            // `PROMPT` (the manager's `reads_prompt`) is `Reader::State` (`answers_noop`).
+            let Some(r) = (unsafe { class.read_state::<PROMPT>(request) }) else {
                 return Noop::Unknown;
             };
             let state = &r.state;

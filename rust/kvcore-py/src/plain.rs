@@ -22,7 +22,9 @@ use pyo3::Borrowed;
 use pyo3::{PyTraverseError, PyVisit};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::args::{count_of, exact_int, list_len, request_id_of, COUNT_CAP};
+use crate::args::{
+    count_311, count_of, exact_int, ints_are_311, list_len, request_id_of, COUNT_CAP,
+};
 use crate::errors::invalid;
 use crate::pool::get_opt;
 use crate::sync::GilCell;
@@ -63,9 +65,24 @@ pub(crate) struct PlainClass {
     /// Whether the class derives from [`PlainState`] (`kvcore._native.PlainRequestBase`), so
     /// that its instances keep their key and hints in their native base.
     based: bool,
-    /// Whether [`Self::read_state`] reads instances (`based`, and every decode field a slot),
-    /// without and with the prompt length.
-    state: [bool; 2],
+    /// How a decode call reads instances, without and with the prompt length.
+    readers: [Reader; 2],
+    /// Whether [`Self::read_state`] reads a count from its int's fields ([`ints_are_311`]).
+    ints_311: bool,
+}
+
+/// How a decode call reads a plain class's instances ([`PlainClass::reader`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Reader {
+    /// From the slots and the native base ([`PlainClass::read_state`]): the class derives
+    /// from [`PlainState`] and keeps every field the call reads in a slot.
+    State,
+    /// From the slots and the instance dict ([`PlainClass::read`]): the class has no native
+    /// base.
+    Dict,
+    /// Not before the whole path: the class has a native base but keeps a field the call
+    /// reads in its dict.
+    Whole,
 }
 
 /// A request's key and hints, kept in its native base ([`PlainState`]): its key borrowed
@@ -530,14 +547,19 @@ impl PlainClass {
             managed: hinted && has_managed_dict(cls),
             slots,
             based,
-            state: [based && slots.decode(false), based && slots.decode(true)],
+            readers: [false, true].map(|prompt| match (based, slots.decode(prompt)) {
+                (true, true) => Reader::State,
+                (true, false) => Reader::Whole,
+                (false, _) => Reader::Dict,
+            }),
+            ints_311: ints_are_311(),
         })
     }
 
-    /// Whether instances keep their key and hints in their native base ([`PlainState`]).
+    /// How a decode call reads instances (`prompt`: with their prompt length).
     #[inline]
-    pub(crate) fn has_state(&self) -> bool {
-        self.based
+    pub(crate) fn reader(&self, prompt: bool) -> Reader {
+        self.readers[usize::from(prompt)]
     }
 
     /// Whether `request`'s class is exactly this one.
@@ -617,25 +639,27 @@ impl PlainClass {
     /// of the request's current `request_id`; else `None` (then the whole path reads the
     /// request, raises what is wrong, and keeps the key). The token list is not read when the
     /// base holds it as checked ([`Self::note_tokens`]).
+    ///
+    /// # Safety
+    /// `request`'s exact class is this one, whose [`Self::reader`] for `PROMPT` is
+    /// [`Reader::State`].
+    #[allow(unsafe_code)]
     #[inline(always)]
-    pub(crate) fn read_state<'a>(
+    pub(crate) unsafe fn read_state<'a, const PROMPT: bool>(
         &self,
         request: &'a Bound<'_, PyAny>,
-        prompt: bool,
     ) -> Option<StateRead<'a>> {
         let s = &self.slots;
-        if !self.state[usize::from(prompt)] {
-            return None;
-        }
-        #[allow(unsafe_code)]
-        // SAFETY: slot offsets of the request's exact class (the caller's check), a subclass
-        // of `PlainState` (`based`); the values are borrowed from the request for the call.
+        debug_assert_eq!(self.reader(PROMPT), Reader::State);
+        // SAFETY: slot offsets of the request's exact class, a subclass of `PlainState`, every
+        // field read a slot (the caller's contract: `Reader::State`); the values are borrowed
+        // from the request for the call.
         let (tokens, id, computed, prompt_len, base) = unsafe {
             (
                 Slots::get(request, s.tokens)?,
                 Slots::get(request, s.request_id)?,
                 Slots::get(request, s.num_computed_tokens),
-                if prompt {
+                if PROMPT {
                     Slots::get(request, s.num_prompt_tokens)
                 } else {
                     None
@@ -657,11 +681,23 @@ impl PlainClass {
         if !noted && !tokens.is_exact_instance_of::<PyList>() {
             return None;
         }
+        let count = |value: Option<Borrowed<'_, '_, PyAny>>| {
+            let value = value?;
+            if self.ints_311 {
+                #[allow(unsafe_code)]
+                // SAFETY: `ints_311` is `ints_are_311()` (registration); the GIL is held.
+                unsafe {
+                    count_311(&value)
+                }
+            } else {
+                exact_int(&value)?.count_capped(COUNT_CAP)
+            }
+        };
         Some(StateRead {
             tokens,
             noted,
-            num_computed_tokens: slot_count(computed)?,
-            num_prompt_tokens: if prompt { slot_count(prompt_len)? } else { 0 },
+            num_computed_tokens: count(computed)?,
+            num_prompt_tokens: if PROMPT { count(prompt_len)? } else { 0 },
             state: StateRef {
                 kept,
                 hints: &base.hints,
