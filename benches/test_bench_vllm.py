@@ -317,7 +317,7 @@ def test_bench_vllm_scheduler_step(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("work", ["alone", "shared"])
+@pytest.mark.parametrize("work", ["alone", "shared", "none"])
 @pytest.mark.parametrize("order", ["in-order", "shuffled"])
 @pytest.mark.parametrize("running", [256, 4096])
 def test_bench_vllm_request_decode(
@@ -346,8 +346,12 @@ def test_bench_vllm_request_decode(
     vLLM's (Python, over the request's lists and hash list) touch more memory than kvcore's
     native one, and with thousands of requests push more of the manager's tables out of the
     caches. ``shared`` makes the three kinds together (interleaved, as a server's allocations
-    are) and appends to all of them every step, calling the manager for one kind only: the
-    same work around every call, so that the calls differ only in the request they read.
+    are) and appends to all of them every step in that interleaved order, calling the manager
+    for one kind only: the same work around every call, so that the calls differ only in the
+    request they read (appending kind by kind would leave the last kind's requests the most
+    recently touched, and favour it). ``none`` appends nothing: each step repeats the same
+    calls, whose code and data the previous step left in the caches, so that the figure is the
+    call's own work.
     """
     from vllm.v1.request import RequestStatus as VllmStatus
 
@@ -397,7 +401,8 @@ def test_bench_vllm_request_decode(
         for i in range(running):
             for k, (make, _) in made.items():
                 sets[k].append(make(i))
-        everyone = [r for reqs in sets.values() for r in reqs]
+        # Interleaved: the i-th request of each kind, then the next.
+        everyone = [r for made_at_i in zip(*sets.values(), strict=True) for r in made_at_i]
         reqs = sets[kind]
         if order == "shuffled":
             random.Random(0).shuffle(reqs)
@@ -415,11 +420,12 @@ def test_bench_vllm_request_decode(
             for r in reqs:
                 allocate(r, 1)
             in_allocate += time.perf_counter() - start
-            start = time.perf_counter()
-            for r in everyone:
-                r.num_computed_tokens += 1
-                r.append_output_token_ids(s)
-            in_append += time.perf_counter() - start
+            if work != "none":
+                start = time.perf_counter()
+                for r in everyone:
+                    r.num_computed_tokens += 1
+                    r.append_output_token_ids(s)
+                in_append += time.perf_counter() - start
             mgr.take_events()
         per_request = 1e6 / (steps * len(everyone))
         return in_allocate / (steps * running) * 1e6, in_append * per_request
