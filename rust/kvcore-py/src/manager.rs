@@ -149,7 +149,7 @@ impl Kept<'_> {
     #[inline]
     fn key_hints(&self, n: usize) -> (&str, &[HintCell]) {
         let (key, hints) = match self {
-            Kept::State(s) => (s.key(), &s.hints[..]),
+            Kept::State(s) => (s.key(), s.hints),
             Kept::Map(e) => (e.key.as_str(), &e.hints[..]),
         };
         (key, &hints[..n.min(hints.len())])
@@ -531,7 +531,7 @@ impl Inner {
                         }
                         None => (id()?.as_ptr() as usize, [0; crate::plain::LINES]),
                     };
-                    if let Some(state) = p.kept_state()? {
+                    if let Some(state) = p.kept_state(self.num_groups)? {
                         IdSource::Plain(Kept::State(state))
                     } else {
                         match self.plain_hints.entry(py, addr, id)? {
@@ -785,7 +785,7 @@ impl Inner {
             #[allow(unsafe_code)]
             // SAFETY: `class` is the request's exact class (`plain_class`), whose reader for
             // `PROMPT` (the manager's `reads_prompt`) is `Reader::State` (`answers_noop`).
-            let Some(r) = (unsafe { class.read_state::<PROMPT>(request) }) else {
+            let Some(r) = (unsafe { class.read_state::<PROMPT>(request, self.num_groups) }) else {
                 return Noop::Unknown;
             };
             let state = &r.state;

@@ -21,13 +21,14 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::Borrowed;
 use pyo3::{PyTraverseError, PyVisit};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
 
 use crate::args::{
     count_311, count_of, exact_int, ints_are_311, list_len, request_id_of, COUNT_CAP,
 };
 use crate::errors::invalid;
 use crate::pool::get_opt;
-use crate::sync::GilCell;
+use crate::sync::{GilCell, GilRefCell};
 use std::cell::RefMut;
 
 /// The attributes the manager reads from a request (besides `num_tokens`).
@@ -89,7 +90,7 @@ pub(crate) enum Reader {
 /// from the base for the call (`RefMut`), its hints shared.
 pub(crate) struct StateRef<'a> {
     kept: RefMut<'a, KeptId>,
-    pub(crate) hints: &'a [kvcore_core::tables::HintCell; INLINE_HINTS],
+    pub(crate) hints: &'a [kvcore_core::tables::HintCell],
 }
 
 impl StateRef<'_> {
@@ -648,6 +649,7 @@ impl PlainClass {
     pub(crate) unsafe fn read_state<'a, const PROMPT: bool>(
         &self,
         request: &'a Bound<'_, PyAny>,
+        groups: usize,
     ) -> Option<StateRead<'a>> {
         let s = &self.slots;
         debug_assert_eq!(self.reader(PROMPT), Reader::State);
@@ -700,7 +702,7 @@ impl PlainClass {
             num_prompt_tokens: if PROMPT { count(prompt_len)? } else { 0 },
             state: StateRef {
                 kept,
-                hints: &base.hints,
+                hints: base.hints(groups),
             },
         })
     }
@@ -1127,7 +1129,7 @@ impl<'py> PlainRequest<'py> {
     /// derives from it, for the request's current `request_id` (kept now, its hints reset, when
     /// the base kept another id's or none); `None` when the class does not, or while another
     /// call holds the base's key. `ArgumentTypeError` for a `request_id` that is not a str.
-    pub(crate) fn kept_state(&self) -> PyResult<Option<StateRef<'_>>> {
+    pub(crate) fn kept_state(&self, groups: usize) -> PyResult<Option<StateRef<'_>>> {
         if !self.based {
             return Ok(None);
         }
@@ -1142,9 +1144,7 @@ impl<'py> PlainRequest<'py> {
         if !kept.as_ref().is_some_and(|k| k.id.is(&id)) {
             let id = request_id_of(&id)?;
             let key = crate::args::id_key(id)?.into_owned().into_boxed_str();
-            for h in &base.hints {
-                h.set(None);
-            }
+            base.reset_hints();
             // The id it replaces is let go: freeing a str runs no Python code.
             // The checked token list stays: it is the request's, whatever its id.
             let tokens = kept.as_mut().and_then(|k| k.tokens.take());
@@ -1158,7 +1158,7 @@ impl<'py> PlainRequest<'py> {
             .ok()
             .map(|kept| StateRef {
                 kept,
-                hints: &base.hints,
+                hints: base.hints(groups),
             }))
     }
 
@@ -1338,17 +1338,42 @@ impl<'a, 'py> Fields<'a, 'py> {
 /// request shared by managers is answered right. It takes and ignores any constructor
 /// arguments (its subclass's `__init__` reads them).
 ///
-/// Laid out in declaration order (`repr(C)`), so that what a decode call reads of the base
-/// shares the object's first line with its header (the cell's flag, the id and the token
-/// list) and the next (the first group's hint), and the subclass's slots, after the base,
-/// start on the line after that.
+/// Laid out in declaration order (`repr(C)`) and kept small (96 bytes with the object's
+/// header), so that what a decode call reads of the request (the cell's flag, the id, the
+/// token list, the key, the first group's hint, then the subclass's slots right after the
+/// base) spans two or three cache lines: the lines of its slots and its reference count,
+/// which the scheduler's own code reads and writes every step, hold most of it.
 #[pyclass(module = "kvcore._native", name = "PlainRequestBase", subclass, frozen)]
 #[repr(C)]
 pub(crate) struct PlainState {
     /// The id the key was made for, and the key; held by a call for its length.
-    kept: GilCell<Option<KeptId>>,
-    /// One hint cell per group, the first [`INLINE_HINTS`] groups.
-    hints: [kvcore_core::tables::HintCell; INLINE_HINTS],
+    kept: GilRefCell<Option<KeptId>>,
+    /// The hint of a manager of one group (most models).
+    hint: kvcore_core::tables::HintCell,
+    /// One hint cell per group, the first [`INLINE_HINTS`] groups, for managers of several
+    /// groups: made by the first such call (out of line, so that one group's calls read the
+    /// fewest lines).
+    hints: OnceLock<Box<[kvcore_core::tables::HintCell; INLINE_HINTS]>>,
+}
+
+impl PlainState {
+    /// The hints of a manager of `groups` groups (of the first [`INLINE_HINTS`]).
+    #[inline]
+    fn hints(&self, groups: usize) -> &[kvcore_core::tables::HintCell] {
+        if groups <= 1 {
+            std::slice::from_ref(&self.hint)
+        } else {
+            &self.hints.get_or_init(Default::default)[..groups.min(INLINE_HINTS)]
+        }
+    }
+
+    /// Forgets every hint (the key changed).
+    fn reset_hints(&self) {
+        self.hint.set(None);
+        for h in self.hints.get().into_iter().flat_map(|h| h.iter()) {
+            h.set(None);
+        }
+    }
 }
 
 /// A request id and its table key (`crate::args::id_key`), and the request's token list once
@@ -1366,8 +1391,9 @@ impl PlainState {
     #[pyo3(signature = (*_args, **_kwargs))]
     fn new(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Self {
         Self {
-            kept: GilCell::new(None),
-            hints: Default::default(),
+            kept: GilRefCell::new(None),
+            hint: Default::default(),
+            hints: OnceLock::new(),
         }
     }
 

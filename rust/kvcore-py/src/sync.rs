@@ -46,19 +46,44 @@ impl<T> GilCell<T> {
         }
     }
 
-    /// [`Self::try_borrow`] for the cycle collector's `__traverse__` and `__clear__`, which
-    /// run with the GIL held but are given no token.
-    #[inline]
-    pub fn try_borrow_in_gc(&self) -> Option<RefMut<'_, T>> {
-        self.value.try_borrow_mut().ok()
-    }
-
     /// The value when no call holds it, else `None`, recording no owner: only for a cell that
     /// is never taken another way ([`lock_cell`] could not tell a re-entrant call on such a
     /// cell from another thread's).
     #[inline]
     pub fn try_borrow(&self, _py: Python<'_>) -> Option<RefMut<'_, T>> {
         self.value.try_borrow_mut().ok()
+    }
+}
+
+/// A [`RefCell`] that only the thread holding the GIL touches, taken only by
+/// [`Self::try_borrow`] (never waited for, so it records no owner: a [`GilCell`] without its
+/// owner word, for state kept inside Python objects, where every word counts).
+#[repr(transparent)]
+pub struct GilRefCell<T>(RefCell<T>);
+
+// SAFETY: as `GilCell`'s: reached only with the GIL held (`try_borrow` takes the token; the
+// cycle collector's `try_borrow_in_gc` runs with the GIL held), one thread at a time, and never
+// with the GIL released (nothing waits for it).
+#[allow(unsafe_code)]
+unsafe impl<T: Send> Sync for GilRefCell<T> {}
+
+impl<T> GilRefCell<T> {
+    /// A cell holding `value`.
+    pub fn new(value: T) -> Self {
+        Self(RefCell::new(value))
+    }
+
+    /// The value when no call holds it, else `None`.
+    #[inline]
+    pub fn try_borrow(&self, _py: Python<'_>) -> Option<RefMut<'_, T>> {
+        self.0.try_borrow_mut().ok()
+    }
+
+    /// [`Self::try_borrow`] for the cycle collector's `__traverse__` and `__clear__`, which
+    /// run with the GIL held but are given no token.
+    #[inline]
+    pub fn try_borrow_in_gc(&self) -> Option<RefMut<'_, T>> {
+        self.0.try_borrow_mut().ok()
     }
 }
 
