@@ -160,6 +160,38 @@ def test_append_by_keyword_and_errors_as_vllms() -> None:
             r.append_output_token_ids(9)
 
 
+def test_append_reads_the_dict_fields_wherever_they_sit() -> None:
+    """The append reads ``_output_token_ids``, ``_block_hasher`` and ``block_hashes`` from the
+    instance dict at remembered entries: requests whose dicts hold them at other entries (set
+    again in another order), or hold other objects, are served as attribute lookup serves
+    them, call after call."""
+    kv_cache_utils.init_none_hash(vllm_hashing.sha256)
+    pairs = [_pair("kvcore")[:2] for _ in range(3)]
+    for i, (ref, ours) in enumerate(pairs):
+        for r in (ref, ours):
+            fields = {n: getattr(r, n) for n in ("_output_token_ids", "_block_hasher")}
+            fields["block_hashes"] = r.block_hashes
+            names = list(fields)
+            for n in names:
+                delattr(r, n)
+            for n in names[i:] + names[:i]:  # back in a rotated order: other entries
+                setattr(r, n, fields[n])
+    rng = random.Random(0)
+    for step in range(90):
+        ref, ours = pairs[rng.randrange(len(pairs))]
+        if step % 30 == 29:
+            # Other objects under the same names: fresh lists, and the hash list copied.
+            for r in (ref, ours):
+                r._output_token_ids = list(r._output_token_ids)
+                r.block_hashes = list(r.block_hashes)
+        token = rng.randrange(50_000)
+        for r in (ref, ours):
+            r.append_output_token_ids(token)
+        assert _state(ours) == _state(ref)
+    for _, ours in pairs:
+        assert len(ours.block_hashes) == ours.num_tokens // BLOCK
+
+
 def test_a_subclass_gets_vllms_method() -> None:
     """A subclass of kvcore's request is served by vLLM's Python method, so what it overrides
     is called; the native append serves one class only."""

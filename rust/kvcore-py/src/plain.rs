@@ -1422,12 +1422,24 @@ impl PlainState {
     /// and `update_block_hashes` are vLLM's `Request`'s and whose `num_tokens` is the length
     /// of its `_all_token_ids`; `fallback` (vLLM's `append_output_token_ids`) serves any other
     /// class. Once per process: another class is refused (`InvalidArgumentError`).
+    ///
+    /// The attributes the append reads from the instance dict (`_output_token_ids`,
+    /// `_block_hasher`, `block_hashes`) are read there at remembered entries, as CPython's own
+    /// attribute cache reads them, when the class's instances have a dict of 3.11's layout and
+    /// the class itself has no attribute of those names (which a read of the dict could
+    /// bypass); else by attribute lookup.
     #[staticmethod]
     fn _serve_append(cls: &Bound<'_, PyType>, fallback: PyObject) -> PyResult<()> {
         let py = cls.py();
+        let dict_reads = dicts_are_311(py)
+            && cls.getattr(intern!(py, "__dictoffset__"))?.extract::<isize>()? != 0
+            && APPEND_FIELDS
+                .iter()
+                .all(|name| !cls.hasattr(PyString::intern(py, name)).unwrap_or(true));
         let served = APPEND.get_or_init(py, || ServedAppend {
             cls: cls.clone().unbind(),
             fallback,
+            dict: dict_reads.then(|| has_managed_dict(cls)),
         });
         if served.cls.bind(py).is(cls) {
             Ok(())
@@ -1445,9 +1457,9 @@ impl PlainState {
     /// no new full window (it would return none). Any other class's instance is handed to
     /// vLLM's method.
     #[pyo3(signature = (token_ids))]
-    fn append_output_token_ids(
-        slf: &Bound<'_, Self>,
-        token_ids: &Bound<'_, PyAny>,
+    fn append_output_token_ids<'py>(
+        slf: &Bound<'py, Self>,
+        token_ids: &Bound<'py, PyAny>,
     ) -> PyResult<()> {
         let py = slf.py();
         let Some(served) = APPEND.get(py) else {
@@ -1461,20 +1473,21 @@ impl PlainState {
             intern!(py, "_output_token_ids"),
             intern!(py, "_all_token_ids"),
         );
+        let hints = &APPEND_HINTS;
+        let read = |name: &Bound<'py, PyString>, hint: &AtomicU32| served.read(slf, name, hint);
         if token_ids.is_instance_of::<pyo3::types::PyInt>() {
-            list_append(&slf.getattr(output)?, token_ids)?;
+            list_append(&read(output, &hints[0])?, token_ids)?;
             list_append(&slf.getattr(all)?, token_ids)?;
         } else {
-            slf.getattr(output)?
-                .call_method1(intern!(py, "extend"), (token_ids,))?;
+            read(output, &hints[0])?.call_method1(intern!(py, "extend"), (token_ids,))?;
             slf.getattr(all)?
                 .call_method1(intern!(py, "extend"), (token_ids,))?;
         }
-        let hasher = slf.getattr(intern!(py, "_block_hasher"))?;
+        let hasher = read(intern!(py, "_block_hasher"), &hints[1])?;
         if hasher.is_none() {
             return Ok(());
         }
-        let hashes = slf.getattr(intern!(py, "block_hashes"))?;
+        let hashes = read(intern!(py, "block_hashes"), &hints[2])?;
         if let Ok(native) = hasher.downcast_exact::<crate::hashing::PyRequestBlockHasher>() {
             // What that hasher reads: the hash list's length and `num_tokens` (this class's
             // is the token list's length).
@@ -1497,7 +1510,47 @@ impl PlainState {
 struct ServedAppend {
     cls: Py<PyType>,
     fallback: PyObject,
+    /// Whether the append reads [`APPEND_FIELDS`] from the instance dict (see
+    /// [`PlainState::_serve_append`]), and then whether the class has a managed dict.
+    dict: Option<bool>,
 }
+
+impl ServedAppend {
+    /// The attribute `name` of `request`, an instance of the served class (one of
+    /// [`APPEND_FIELDS`], `hint` its entry): from the instance dict at its entry when
+    /// [`Self::dict`] allows, else (or when the dict has no such entry) by attribute lookup.
+    fn read<'py>(
+        &self,
+        request: &Bound<'py, PlainState>,
+        name: &Bound<'py, PyString>,
+        hint: &AtomicU32,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let request = request.as_any();
+        if let Some(managed) = self.dict {
+            if let Some(dict) = instance_dict(request, managed) {
+                if let Ok(dict) = dict.downcast_exact::<PyDict>() {
+                    #[allow(unsafe_code)]
+                    // SAFETY: the GIL is held, `dict` is a live exact dict, and the layout is
+                    // 3.11's (`dict` is set only where `dicts_are_311`); the table is used by
+                    // `dict_get` at once, with no Python code run in between.
+                    let entries = unsafe { Entries::of(dict.as_ptr()) };
+                    // The value is owned before any Python code can run.
+                    if let Ok(Some((value, _))) = dict_get(dict, entries.as_ref(), name, hint) {
+                        return Ok(value.to_owned());
+                    }
+                }
+            }
+        }
+        request.getattr(name)
+    }
+}
+
+/// The attributes of a served request that [`PlainState::append_output_token_ids`] reads from
+/// its instance dict.
+const APPEND_FIELDS: [&str; 3] = ["_output_token_ids", "_block_hasher", "block_hashes"];
+
+/// The entries where [`APPEND_FIELDS`] were last found (as [`DICT_HINTS`]).
+static APPEND_HINTS: [AtomicU32; 3] = [AtomicU32::new(0), AtomicU32::new(0), AtomicU32::new(0)];
 
 static APPEND: GILOnceCell<ServedAppend> = GILOnceCell::new();
 
