@@ -1432,7 +1432,10 @@ impl PlainState {
     fn _serve_append(cls: &Bound<'_, PyType>, fallback: PyObject) -> PyResult<()> {
         let py = cls.py();
         let dict_reads = dicts_are_311(py)
-            && cls.getattr(intern!(py, "__dictoffset__"))?.extract::<isize>()? != 0
+            && cls
+                .getattr(intern!(py, "__dictoffset__"))?
+                .extract::<isize>()?
+                != 0
             && APPEND_FIELDS
                 .iter()
                 .all(|name| !cls.hasattr(PyString::intern(py, name)).unwrap_or(true));
