@@ -28,7 +28,7 @@ use crate::args::{
 };
 use crate::errors::invalid;
 use crate::pool::get_opt;
-use crate::sync::{GilCell, GilRefCell};
+use crate::sync::GilRefCell;
 use std::cell::RefMut;
 
 /// The attributes the manager reads from a request (besides `num_tokens`).
@@ -471,6 +471,14 @@ fn probe_dicts(py: Python<'_>) -> PyResult<bool> {
     Ok(dict == split.as_ptr())
 }
 
+/// Whether instances of `cls` have a `__dict__`.
+fn has_instance_dict(cls: &Bound<'_, PyType>) -> PyResult<bool> {
+    Ok(cls
+        .getattr(intern!(cls.py(), "__dictoffset__"))?
+        .extract::<isize>()?
+        != 0)
+}
+
 /// Whether instances of `cls` keep their dict where [`managed_dict`] reads it.
 fn has_managed_dict(cls: &Bound<'_, PyType>) -> bool {
     #[allow(unsafe_code)]
@@ -489,11 +497,7 @@ impl PlainClass {
         let py = cls.py();
         let object = py.get_type::<pyo3::types::PyAny>();
         let name = cls.qualname()?;
-        if cls
-            .getattr(intern!(py, "__dictoffset__"))?
-            .extract::<isize>()?
-            == 0
-        {
+        if !has_instance_dict(cls)? {
             return Err(invalid(format!("{name} instances have no __dict__")));
         }
         if !cls
@@ -683,23 +687,15 @@ impl PlainClass {
         if !noted && !tokens.is_exact_instance_of::<PyList>() {
             return None;
         }
-        let count = |value: Option<Borrowed<'_, '_, PyAny>>| {
-            let value = value?;
-            if self.ints_311 {
-                #[allow(unsafe_code)]
-                // SAFETY: `ints_311` is `ints_are_311()` (registration); the GIL is held.
-                unsafe {
-                    count_311(&value)
-                }
-            } else {
-                exact_int(&value)?.count_capped(COUNT_CAP)
-            }
-        };
         Some(StateRead {
             tokens,
             noted,
-            num_computed_tokens: count(computed)?,
-            num_prompt_tokens: if PROMPT { count(prompt_len)? } else { 0 },
+            num_computed_tokens: self.slot_count(computed)?,
+            num_prompt_tokens: if PROMPT {
+                self.slot_count(prompt_len)?
+            } else {
+                0
+            },
             state: StateRef {
                 kept,
                 hints: base.hints(groups),
@@ -774,14 +770,18 @@ impl PlainClass {
             return None;
         }
         let decoded = (|| {
-            let num_prompt_tokens = if prompt { slot_count(prompt_len)? } else { 0 };
+            let num_prompt_tokens = if prompt {
+                self.slot_count(prompt_len)?
+            } else {
+                0
+            };
             let mut lines = [0; LINES];
             lines[0] = request.as_ptr() as usize;
             lines[4] = tokens.as_ptr() as usize;
             lines[7] = computed.map_or(0, |c| c.as_ptr() as usize);
             Some(Decoded {
                 id_addr: id?.as_ptr() as usize,
-                num_computed_tokens: slot_count(computed)?,
+                num_computed_tokens: self.slot_count(computed)?,
                 num_prompt_tokens,
                 lines,
             })
@@ -796,11 +796,22 @@ impl PlainClass {
     }
 }
 
-/// A count read from a slot (`None`: unset), when an exact int in range (`count_of`'s rule).
-#[inline(always)]
-fn slot_count(value: Option<Borrowed<'_, '_, PyAny>>) -> Option<usize> {
-    let value = value?;
-    exact_int(&value)?.count_capped(COUNT_CAP)
+impl PlainClass {
+    /// A count read from a slot (`None`: unset), when an exact int in range (`count_of`'s
+    /// rule); a one-digit int read inline where ints have 3.11's layout ([`count_311`]).
+    #[inline(always)]
+    fn slot_count(&self, value: Option<Borrowed<'_, '_, PyAny>>) -> Option<usize> {
+        let value = value?;
+        if self.ints_311 {
+            #[allow(unsafe_code)]
+            // SAFETY: `ints_311` is `ints_are_311()` (registration); the GIL is held.
+            unsafe {
+                count_311(&value)
+            }
+        } else {
+            exact_int(&value)?.count_capped(COUNT_CAP)
+        }
+    }
 }
 
 /// `request`'s instance dict, borrowed from the request; `None` when it cannot be made.
@@ -1432,10 +1443,7 @@ impl PlainState {
     fn _serve_append(cls: &Bound<'_, PyType>, fallback: PyObject) -> PyResult<()> {
         let py = cls.py();
         let dict_reads = dicts_are_311(py)
-            && cls
-                .getattr(intern!(py, "__dictoffset__"))?
-                .extract::<isize>()?
-                != 0
+            && has_instance_dict(cls)?
             && APPEND_FIELDS
                 .iter()
                 .all(|name| !cls.hasattr(PyString::intern(py, name)).unwrap_or(true));
@@ -1591,12 +1599,12 @@ fn list_append(target: &Bound<'_, PyAny>, item: &Bound<'_, PyAny>) -> PyResult<(
 /// arrive while the scheduler's own code runs up to that call. The addresses are only ever
 /// prefetched (a stale one costs a useless fetch) and the noted entry is used only when its id
 /// address is the call's. The map
-/// is GIL-guarded state ([`GilCell`]): a call holds its request's entry in place for the call
+/// is GIL-guarded state ([`GilRefCell`]): a call holds its request's entry in place for the call
 /// ([`PlainHints::entry`]). A call that finds the map held (another
 /// thread's call that let the GIL go, or a re-entrant one) does without it and reads the id,
 /// as for any duck-typed request.
 pub(crate) struct PlainHints {
-    state: GilCell<PlainMap>,
+    state: GilRefCell<PlainMap>,
 }
 
 struct PlainMap {
@@ -1703,7 +1711,7 @@ impl PlainHints {
     /// An empty map.
     pub(crate) fn new() -> Self {
         Self {
-            state: GilCell::new(PlainMap {
+            state: GilRefCell::new(PlainMap {
                 index: hashbrown::HashMap::new(),
                 slab: Vec::new(),
                 free: Vec::new(),

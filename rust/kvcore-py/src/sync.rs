@@ -45,19 +45,12 @@ impl<T> GilCell<T> {
             owner: Cell::new(0),
         }
     }
-
-    /// The value when no call holds it, else `None`, recording no owner: only for a cell that
-    /// is never taken another way ([`lock_cell`] could not tell a re-entrant call on such a
-    /// cell from another thread's).
-    #[inline]
-    pub fn try_borrow(&self, _py: Python<'_>) -> Option<RefMut<'_, T>> {
-        self.value.try_borrow_mut().ok()
-    }
 }
 
 /// A [`RefCell`] that only the thread holding the GIL touches, taken only by
 /// [`Self::try_borrow`] (never waited for, so it records no owner: a [`GilCell`] without its
-/// owner word, for state kept inside Python objects, where every word counts).
+/// owner word). A call that finds it held does without it: the key of a request's native
+/// base, the plain-request hint map.
 #[repr(transparent)]
 pub struct GilRefCell<T>(RefCell<T>);
 
