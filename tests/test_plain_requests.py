@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import random
 import weakref
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
@@ -126,11 +127,69 @@ class HalfSlottedPlainManager(KVCacheManager):
     )
 
 
+class CallSlottedPlainRequest(WidePlainRequest, PlainRequestBase):
+    """Every field a call that fills a block reads in slots, the rest (``status``,
+    ``skip_reading_prefix_cache``) in a wide dict, read only when asked for (the layout of
+    ``kvcore.vllm.Request``)."""
+
+    __slots__ = (
+        "_all_token_ids",
+        "block_hashes",
+        "cache_salt",
+        "lora_request",
+        "mm_features",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "prompt_embeds",
+        "request_id",
+    )
+
+
+class CallSlottedDuckRequest(CallSlottedPlainRequest):
+    """The call-slotted request, read by attribute lookup."""
+
+
+class CallSlottedPlainManager(KVCacheManager):
+    _plain_request_classes: ClassVar[tuple[tuple[type, str], ...]] = (
+        (CallSlottedPlainRequest, "_all_token_ids"),
+    )
+
+
+class AllSlottedPlainRequest(PlainRequest):
+    """Every field the manager reads in a slot, with no native base."""
+
+    __slots__ = (
+        "_all_token_ids",
+        "block_hashes",
+        "cache_salt",
+        "lora_request",
+        "mm_features",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "prompt_embeds",
+        "request_id",
+        "skip_reading_prefix_cache",
+        "status",
+    )
+
+
+class AllSlottedDuckRequest(AllSlottedPlainRequest):
+    """The all-slotted request, read by attribute lookup."""
+
+
+class AllSlottedPlainManager(KVCacheManager):
+    _plain_request_classes: ClassVar[tuple[tuple[type, str], ...]] = (
+        (AllSlottedPlainRequest, "_all_token_ids"),
+    )
+
+
 LAYOUTS: dict[str, tuple[type[PlainRequest], type[PlainRequest], type[KVCacheManager]]] = {
     "shared-keys": (PlainRequest, DuckRequest, PlainManager),
     "own-keys": (WidePlainRequest, WideDuckRequest, WidePlainManager),
     "slots": (SlottedPlainRequest, SlottedDuckRequest, SlottedPlainManager),
     "some-slots": (HalfSlottedPlainRequest, HalfSlottedDuckRequest, HalfSlottedPlainManager),
+    "call-slots": (CallSlottedPlainRequest, CallSlottedDuckRequest, CallSlottedPlainManager),
+    "all-slots": (AllSlottedPlainRequest, AllSlottedDuckRequest, AllSlottedPlainManager),
 }
 """Plain request layouts: the plain class, a subclass read by attribute lookup, a manager."""
 
@@ -208,6 +267,9 @@ def play(mgr: KVCacheManager, cls: type[PlainRequest], seed: int) -> list[Any]:
                 own = [50 + rng.randrange(50) for _ in range(rng.randrange(4, 13))]
                 req = cls(f"r{step}", own, hasher)
                 req.cache_salt = "salt"
+            if rng.random() < 0.1:
+                # A LoRA: its events carry the adapter, read with the request's other fields.
+                req.lora_request = SimpleNamespace(lora_name="ad", adapter_id=5, name="ad")
             hits = outcome(mgr.get_computed_blocks, req)
             log.append(hits)
             blocks, n = mgr.get_computed_blocks(req)
@@ -571,18 +633,6 @@ def test_the_slotted_reader_is_the_one_used() -> None:
     assert len(mgr.get_block_ids("a")[0]) == 2
 
 
-class SlottedStatus(PlainRequest):
-    __slots__ = ("status",)
-
-
-def test_a_slot_for_a_field_other_than_the_decode_fields_is_refused() -> None:
-    class Manager(KVCacheManager):
-        _plain_request_classes = ((SlottedStatus, "_all_token_ids"),)
-
-    with pytest.raises(InvalidArgumentError, match="defines status"):
-        Manager(config(False), max_model_len=64, scheduler_block_size=BLOCK, hash_block_size=BLOCK)
-
-
 def test_plain_request_entries_follow_any_call_order() -> None:
     """Each entry notes the entry found after it, which the next call checks before the index:
     a steady order, then a reversed, rotated and shuffled one, a request freed from the middle
@@ -897,3 +947,42 @@ def test_an_event_has_the_tokens_the_fill_saw(cls: type[PlainRequest]) -> None:
         mgr.free(bad)
         assert mgr.usage == usage
         mgr.check_invariants()
+
+
+class DictOfItsOwn(dict[str, Any]):
+    """A dict subclass: a plain request whose instance dict is one is read by attribute lookup."""
+
+
+def test_a_call_slotted_requests_dict_is_read_only_for_its_other_fields() -> None:
+    """A request that keeps every field a call reads in slots is read without its instance
+    dict. Its other fields (``skip_reading_prefix_cache``) are read from the dict when asked
+    for: by attribute lookup when the dict is not an exact dict, and a missing one raises as
+    attribute reads raise."""
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+
+    def scenario(cls: type[PlainRequest]) -> list[Any]:
+        mgr = events_manager(False, CallSlottedPlainManager)
+        log: list[Any] = []
+        reqs: list[Any] = [cls(f"d{i}", list(range(i, i + 9)), hasher) for i in range(3)]
+        reqs[1].__dict__ = DictOfItsOwn(reqs[1].__dict__)
+        reqs[1].skip_reading_prefix_cache = True
+        del reqs[2].skip_reading_prefix_cache
+        for req in reqs:
+            log.append(outcome(mgr.get_computed_blocks, req))
+            log.append(outcome(mgr.allocate_slots, req, req.num_tokens))
+            req.num_computed_tokens = req.num_tokens
+            req.status = RUNNING
+        for step in range(2 * BLOCK):
+            for req in reqs:
+                req.append(step)
+                log.append(outcome(mgr.allocate_slots, req, 1))
+                req.num_computed_tokens += 1
+        log.append(mgr.take_events())
+        log.append([mgr.get_block_ids(r.request_id) for r in reqs])
+        return as_plain(log, CallSlottedDuckRequest, CallSlottedPlainRequest)
+
+    plain = scenario(CallSlottedPlainRequest)
+    assert plain == scenario(CallSlottedDuckRequest)
+    assert ("raised", AttributeError) in [x[:2] for x in plain if isinstance(x, tuple)]
+    assert any(isinstance(x, list) and x and isinstance(x[0], BlockStored) for x in plain)

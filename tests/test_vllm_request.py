@@ -160,10 +160,10 @@ def test_append_by_keyword_and_errors_as_vllms() -> None:
             r.append_output_token_ids(9)
 
 
-def test_append_reads_the_dict_fields_wherever_they_sit() -> None:
+def test_append_reads_its_fields_as_attribute_lookup_does() -> None:
     """The append reads ``_output_token_ids``, ``_block_hasher`` and ``block_hashes`` from the
-    instance dict at remembered entries: requests whose dicts hold them at other entries (set
-    again in another order), or hold other objects, are served as attribute lookup serves
+    slots ``kvcore.vllm.Request`` keeps them in: requests whose fields were deleted and set
+    again (in rotated orders), or hold other objects, are served as attribute lookup serves
     them, call after call."""
     kv_cache_utils.init_none_hash(vllm_hashing.sha256)
     pairs = [_pair("kvcore")[:2] for _ in range(3)]

@@ -1,16 +1,19 @@
 """vLLM's ``Request`` with its decode fields in slots: what kvcore's engine builds.
 
 ``Request`` is a subclass of ``vllm.v1.request.Request`` that changes nothing of its behaviour:
-same constructor, same methods, same attributes. It keeps four attributes in ``__slots__``
-instead of the instance dict: ``request_id``, ``num_prompt_tokens``, ``num_computed_tokens``
-and ``_all_token_ids``. Those are the fields a decode ``allocate_slots`` call reads, and kvcore's
-manager reads slots at fixed offsets in the object, with no dict lookup; its native base
-(``kvcore._native.PlainRequestBase``) is where the manager keeps the request's table key and
-slot hints, as kvcore's own ``kvcore.request.Request`` keeps them in its native base. A decode
-call of such a request reads the request object and the field values only, as one of kvcore's
-own requests does (the README's request-decode figures); the base holds the token list once a
-call has checked it, and the list's length is read only when a call's answer depends on it.
-Python code reads and writes slots at least as fast as dict attributes.
+same constructor, same methods, same attributes. It keeps the attributes kvcore reads in
+``__slots__`` instead of the instance dict: the four a decode ``allocate_slots`` call reads
+(``request_id``, ``num_prompt_tokens``, ``num_computed_tokens``, ``_all_token_ids``), the ones
+a call that fills a block reads as well (``block_hashes`` and the fields that give its events
+extra keys: ``lora_request``, ``cache_salt``, ``mm_features``, ``prompt_embeds``), and the ones
+its append reads (``_output_token_ids``, ``_block_hasher``). kvcore's manager reads slots at
+fixed offsets in the object, with no dict lookup, so no manager call reads the instance dict;
+its native base (``kvcore._native.PlainRequestBase``) is where the manager keeps the request's
+table key and slot hints, as kvcore's own ``kvcore.request.Request`` keeps them in its native
+base. A decode call of such a request reads the request object and the field values only, as
+one of kvcore's own requests does (the README's request-decode figures); the base holds the
+token list once a call has checked it, and the list's length is read only when a call's answer
+depends on it. Python code reads and writes slots at least as fast as dict attributes.
 
 Its ``append_output_token_ids`` (the scheduler calls it for every new token) is vLLM's, run
 natively by the base: the same list appends or extends in the same order, then
@@ -36,7 +39,19 @@ class Request(VllmRequest, PlainRequestBase):  # type: ignore[misc]
     """``vllm.v1.request.Request``, its decode fields kept in slots and kvcore's per-request
     table key and hints in its native base (see the module)."""
 
-    __slots__ = ("_all_token_ids", "num_computed_tokens", "num_prompt_tokens", "request_id")
+    __slots__ = (
+        "_all_token_ids",
+        "_block_hasher",
+        "_output_token_ids",
+        "block_hashes",
+        "cache_salt",
+        "lora_request",
+        "mm_features",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "prompt_embeds",
+        "request_id",
+    )
 
     append_output_token_ids = PlainRequestBase.append_output_token_ids
 

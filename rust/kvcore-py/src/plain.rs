@@ -31,8 +31,23 @@ use crate::pool::get_opt;
 use crate::sync::GilRefCell;
 use std::cell::RefMut;
 
+/// How many attributes [`field_names`] lists.
+const FIELDS: usize = 13;
+
+/// Indices into [`field_names`] (and [`Slots::fields`]) of the attributes read by name here.
+mod field {
+    pub(super) const REQUEST_ID: usize = 0;
+    pub(super) const NUM_COMPUTED_TOKENS: usize = 1;
+    pub(super) const NUM_PROMPT_TOKENS: usize = 3;
+    pub(super) const BLOCK_HASHES: usize = 4;
+    pub(super) const LORA_REQUEST: usize = 6;
+    pub(super) const CACHE_SALT: usize = 7;
+    pub(super) const MM_FEATURES: usize = 8;
+    pub(super) const PROMPT_EMBEDS: usize = 9;
+}
+
 /// The attributes the manager reads from a request (besides `num_tokens`).
-fn field_names(py: Python<'_>) -> [&Bound<'_, PyString>; 13] {
+fn field_names(py: Python<'_>) -> [&Bound<'_, PyString>; FIELDS] {
     [
         intern!(py, "request_id"),
         intern!(py, "num_computed_tokens"),
@@ -48,6 +63,17 @@ fn field_names(py: Python<'_>) -> [&Bound<'_, PyString>; 13] {
         intern!(py, "retention_ttl_s"),
         intern!(py, "_prompt_embeds_per_block_hashes"),
     ]
+}
+
+/// The index of the attribute `name` (interned: compared by address) in [`field_names`].
+#[inline]
+fn field_index(name: &Bound<'_, PyString>) -> Option<usize> {
+    // The names' addresses, taken once: `intern!` holds each name for the process.
+    static ADDRS: GILOnceCell<[usize; FIELDS]> = GILOnceCell::new();
+    let py = name.py();
+    let addrs = ADDRS.get_or_init(py, || field_names(py).map(|n| n.as_ptr() as usize));
+    let n = name.as_ptr() as usize;
+    addrs.iter().position(|&a| a == n)
 }
 
 /// A registered plain request class.
@@ -70,6 +96,9 @@ pub(crate) struct PlainClass {
     readers: [Reader; 2],
     /// Whether [`Self::read_state`] reads a count from its int's fields ([`ints_are_311`]).
     ints_311: bool,
+    /// Whether a call's fields are read without the instance dict ([`Slots::whole`]): its
+    /// [`PlainRequest`] reads the dict only for another field, when asked for it.
+    dictless: bool,
 }
 
 /// How a decode call reads a plain class's instances ([`PlainClass::reader`]).
@@ -127,19 +156,19 @@ impl StateRead<'_> {
     }
 }
 
-/// Where a plain class keeps decode fields in `__slots__` (its own or a base's): each field's
-/// byte offset in the instance, 0 for a field kept in the instance dict.
+/// Where a plain class keeps the fields the manager reads in `__slots__` (its own or a
+/// base's): each field's byte offset in the instance, 0 for a field kept in the instance dict.
 ///
 /// A slot is a pointer at a fixed offset in the object, so a request of such a class is read
 /// without its dict: when all of a decode call's fields are slots ([`Slots::decode`]), the
-/// call reads the object and the field values, and nothing else. `kvcore.vllm.Request` keeps
-/// its four decode fields there.
+/// call reads the object and the field values, and nothing else; when the fields of a call
+/// that fills a block are too ([`Slots::whole`]), that call does not read the dict either.
+/// `kvcore.vllm.Request` keeps all of those there.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct Slots {
-    request_id: usize,
-    num_computed_tokens: usize,
-    num_prompt_tokens: usize,
-    tokens: usize,
+    /// By [`field_names`] index.
+    fields: [u16; FIELDS],
+    tokens: u16,
     /// The address of the class's token attribute name (compared only; the class holds it).
     tokens_name: usize,
 }
@@ -148,36 +177,44 @@ impl Slots {
     /// Whether a decode call's fields are all slots (the prompt length only when `prompt`).
     #[inline]
     fn decode(&self, prompt: bool) -> bool {
-        self.request_id != 0
-            && self.num_computed_tokens != 0
+        self.fields[field::REQUEST_ID] != 0
+            && self.fields[field::NUM_COMPUTED_TOKENS] != 0
             && self.tokens != 0
-            && (!prompt || self.num_prompt_tokens != 0)
+            && (!prompt || self.fields[field::NUM_PROMPT_TOKENS] != 0)
+    }
+
+    /// Whether the fields a call reads when it fills and caches a block are slots as well:
+    /// its decode fields with the prompt length, the hash list, and the fields that tell
+    /// whether its `BlockStored` events need more than tokens ([`Fields::tokens_only`]).
+    fn whole(&self) -> bool {
+        self.decode(true)
+            && [
+                field::BLOCK_HASHES,
+                field::LORA_REQUEST,
+                field::CACHE_SALT,
+                field::MM_FEATURES,
+                field::PROMPT_EMBEDS,
+            ]
+            .iter()
+            .all(|&f| self.fields[f] != 0)
     }
 
     /// The slot offset of the attribute `name` (interned: compared by address), 0 when it is
     /// not a slot.
     #[inline]
-    fn offset(&self, name: &Bound<'_, PyString>) -> usize {
-        let py = name.py();
+    fn offset(&self, name: &Bound<'_, PyString>) -> u16 {
         let n = name.as_ptr();
-        if n == intern!(py, "request_id").as_ptr() {
-            self.request_id
-        } else if n == intern!(py, "num_computed_tokens").as_ptr() {
-            self.num_computed_tokens
-        } else if n == intern!(py, "num_prompt_tokens").as_ptr() {
-            self.num_prompt_tokens
-        } else if n as usize == self.tokens_name {
-            self.tokens
-        } else {
-            0
+        if n as usize == self.tokens_name {
+            return self.tokens;
         }
+        field_index(name).map_or(0, |i| self.fields[i])
     }
 
     /// The offset `field` of `cls`'s instances, whose `slot` (the member descriptor a class in
     /// its MRO made for one of its `__slots__`) keeps it: found by setting the slot of a bare instance to
     /// a new object and looking for that object's address among the instance's words. One
     /// word exactly must hold it.
-    fn probe(cls: &Bound<'_, PyType>, field: &str, slot: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn probe(cls: &Bound<'_, PyType>, field: &str, slot: &Bound<'_, PyAny>) -> PyResult<u16> {
         let py = cls.py();
         let size: usize = cls.getattr(intern!(py, "__basicsize__"))?.extract()?;
         let bare = cls.call_method1(intern!(py, "__new__"), (cls,))?;
@@ -198,7 +235,8 @@ impl Slots {
             .collect();
         slot.call_method1(intern!(py, "__delete__"), (&bare,))?;
         match found[..] {
-            [off] => Ok(off),
+            [off] => u16::try_from(off)
+                .map_err(|_| invalid(format!("the slot {field} is past its instance's 64 KiB"))),
             _ => Err(invalid(format!(
                 "{}'s slot {field} is not one word of its instances",
                 cls.qualname()?
@@ -215,7 +253,7 @@ impl Slots {
     #[inline(always)]
     unsafe fn get<'a, 'py>(
         obj: &'a Bound<'py, PyAny>,
-        offset: usize,
+        offset: u16,
     ) -> Option<Borrowed<'a, 'py, PyAny>> {
         // SAFETY: an object slot is a pointer-aligned `PyObject *` within the object, null
         // while unset, else a strong reference the object holds.
@@ -223,7 +261,7 @@ impl Slots {
             let value = *obj
                 .as_ptr()
                 .cast::<u8>()
-                .add(offset)
+                .add(usize::from(offset))
                 .cast::<*mut pyo3::ffi::PyObject>();
             (!value.is_null()).then(|| Borrowed::from_ptr(obj.py(), value))
         }
@@ -517,29 +555,24 @@ impl PlainClass {
         for klass in cls.getattr(intern!(py, "__mro__"))?.try_iter()? {
             let klass = klass?;
             let vars = klass.getattr(intern!(py, "__dict__"))?;
-            for field in field_names(py).into_iter().chain([tokens]) {
+            let names = field_names(py);
+            for (i, field) in names.into_iter().chain([tokens]).enumerate() {
                 let Some(found) = vars.get_item(field).ok() else {
                     continue;
                 };
-                // A decode field may be a slot (the nearest in the MRO is the one read).
-                let at = match field.to_str()? {
-                    "request_id" => Some(&mut slots.request_id),
-                    "num_computed_tokens" => Some(&mut slots.num_computed_tokens),
-                    "num_prompt_tokens" => Some(&mut slots.num_prompt_tokens),
-                    _ if field.is(tokens) => Some(&mut slots.tokens),
-                    _ => None,
+                // A field may be a slot (the nearest in the MRO is the one read).
+                if !found.get_type().is(&member) {
+                    return Err(invalid(format!(
+                        "{name}'s class defines {field}: it is not a plain instance attribute"
+                    )));
+                }
+                let at = if field.is(tokens) {
+                    &mut slots.tokens
+                } else {
+                    &mut slots.fields[i]
                 };
-                match at {
-                    Some(at) if found.get_type().is(&member) => {
-                        if *at == 0 {
-                            *at = Slots::probe(cls, field.to_str()?, &found)?;
-                        }
-                    }
-                    _ => {
-                        return Err(invalid(format!(
-                            "{name}'s class defines {field}: it is not a plain instance attribute"
-                        )))
-                    }
+                if *at == 0 {
+                    *at = Slots::probe(cls, field.to_str()?, &found)?;
                 }
             }
         }
@@ -558,6 +591,7 @@ impl PlainClass {
                 (false, _) => Reader::Dict,
             }),
             ints_311: ints_are_311(),
+            dictless: slots.whole(),
         })
     }
 
@@ -663,10 +697,10 @@ impl PlainClass {
         let (tokens, id, computed, prompt_len, base) = unsafe {
             (
                 Slots::get(request, s.tokens)?,
-                Slots::get(request, s.request_id)?,
-                Slots::get(request, s.num_computed_tokens),
+                Slots::get(request, s.fields[field::REQUEST_ID])?,
+                Slots::get(request, s.fields[field::NUM_COMPUTED_TOKENS]),
                 if PROMPT {
-                    Slots::get(request, s.num_prompt_tokens)
+                    Slots::get(request, s.fields[field::NUM_PROMPT_TOKENS])
                 } else {
                     None
                 },
@@ -757,13 +791,13 @@ impl PlainClass {
         let (tokens, computed, prompt_len, id) = unsafe {
             (
                 Slots::get(request, s.tokens)?,
-                Slots::get(request, s.num_computed_tokens),
+                Slots::get(request, s.fields[field::NUM_COMPUTED_TOKENS]),
                 if prompt {
-                    Slots::get(request, s.num_prompt_tokens)
+                    Slots::get(request, s.fields[field::NUM_PROMPT_TOKENS])
                 } else {
                     None
                 },
-                Slots::get(request, s.request_id),
+                Slots::get(request, s.fields[field::REQUEST_ID]),
             )
         };
         if !tokens.is_exact_instance_of::<PyList>() {
@@ -882,7 +916,7 @@ pub(crate) type Lines = [usize; LINES];
 #[inline(always)]
 fn field_at<'a, 'py>(
     request: &'a Bound<'py, PyAny>,
-    offset: usize,
+    offset: u16,
     dict: &'a Bound<'py, PyDict>,
     entries: Option<&Entries>,
     name: &Bound<'py, PyString>,
@@ -902,7 +936,7 @@ fn field_at<'a, 'py>(
 #[inline(always)]
 fn count_at<'py>(
     request: &Bound<'py, PyAny>,
-    offset: usize,
+    offset: u16,
     dict: &Bound<'py, PyDict>,
     entries: Option<&Entries>,
     name: &Bound<'py, PyString>,
@@ -927,13 +961,13 @@ fn decode<'py>(
     let py = dict.py();
     let count = |offset, name, hint| count_at(request, offset, dict, entries, name, hint);
     let (num_computed_tokens, computed_slot, computed) = count(
-        slots.num_computed_tokens,
+        slots.fields[field::NUM_COMPUTED_TOKENS],
         intern!(py, "num_computed_tokens"),
         &DICT_HINTS.num_computed_tokens,
     )?;
     let num_prompt_tokens = if prompt {
         count(
-            slots.num_prompt_tokens,
+            slots.fields[field::NUM_PROMPT_TOKENS],
             intern!(py, "num_prompt_tokens"),
             &DICT_HINTS.num_prompt_tokens,
         )?
@@ -943,7 +977,7 @@ fn decode<'py>(
     };
     let (id, id_slot) = field_at(
         request,
-        slots.request_id,
+        slots.fields[field::REQUEST_ID],
         dict,
         entries,
         intern!(py, "request_id"),
@@ -993,16 +1027,22 @@ impl<'py> PlainView<'_, 'py> {
     /// The fields held (reference counted), for a path that may run Python code; `None` when
     /// the instance dict, not read yet, is not an exact dict or cannot be made.
     pub(crate) fn to_owned(&self) -> Option<PlainRequest<'py>> {
-        let dict = match self.dict {
-            Some(d) => d,
-            None => instance_dict(self.request, self.class.managed)?,
+        let dict = std::cell::OnceCell::new();
+        let read = match self.dict {
+            Some(d) => Some(d),
+            None if self.class.dictless => None,
+            None => Some(instance_dict(self.request, self.class.managed)?),
         };
+        if let Some(d) = read {
+            let _ = dict.set(Some(d.downcast_exact::<PyDict>().ok()?.to_owned()));
+        }
         Some(PlainRequest {
             request: self.request.clone(),
-            dict: dict.downcast_exact::<PyDict>().ok()?.clone(),
+            dict,
             tokens: self.tokens().clone(),
             decoded: self.decoded,
             hinted: self.class.hinted,
+            managed: self.class.managed,
             slots: self.class.slots,
             based: self.class.based,
         })
@@ -1013,10 +1053,15 @@ impl<'py> PlainView<'_, 'py> {
 /// them.
 pub(crate) struct PlainRequest<'py> {
     request: Bound<'py, PyAny>,
-    dict: Bound<'py, PyDict>,
+    /// The instance dict when an exact dict (`None`: read by attribute lookup): read with the
+    /// request, or, for a class whose call fields are all slots ([`PlainClass::dictless`]),
+    /// when a field kept there is first asked for ([`Self::dict`]).
+    dict: std::cell::OnceCell<Option<Bound<'py, PyDict>>>,
     tokens: Bound<'py, PyList>,
     pub(crate) decoded: Option<Decoded>,
     hinted: bool,
+    /// Whether the class has a managed dict on 3.11 ([`PlainClass::managed`]).
+    managed: bool,
     /// The decode fields its class keeps in slots.
     slots: Slots,
     /// Whether its class derives from [`PlainState`].
@@ -1081,16 +1126,47 @@ fn dict_lookup<'a, 'py>(
 }
 
 impl<'py> PlainRequest<'py> {
+    /// The instance dict, read now if it was not (`None` when it is not an exact dict or
+    /// cannot be made). Reading it runs no Python code where the class has a managed dict on
+    /// 3.11, made by then (a vLLM request's, made by its constructor); a call that holds the
+    /// manager's state asks for it only for fields a dictless class keeps in slots, so never.
+    fn dict(&self) -> Option<&Bound<'py, PyDict>> {
+        self.dict
+            .get_or_init(|| {
+                let d = instance_dict(&self.request, self.managed)?;
+                Some(d.downcast_exact::<PyDict>().ok()?.to_owned())
+            })
+            .as_ref()
+    }
+
+    /// Whether the fields that tell what its `BlockStored` events need
+    /// ([`Fields::tokens_only`]) are all slots: read without the dict.
+    #[inline]
+    fn event_fields_in_slots(&self) -> bool {
+        [
+            field::LORA_REQUEST,
+            field::CACHE_SALT,
+            field::PROMPT_EMBEDS,
+            field::MM_FEATURES,
+        ]
+        .iter()
+        .all(|&f| self.slots.fields[f] != 0)
+    }
+
     /// The dict's entry table when it is read by index (its keys all str, so that no lookup in
     /// it runs Python code), read now: valid until Python code runs.
     #[inline]
     fn entries(&self) -> Option<Entries> {
+        if !self.hinted {
+            return None;
+        }
+        let dict = self.dict()?;
         #[allow(unsafe_code)]
-        // SAFETY: the GIL is held, `self.dict` is a live exact dict (held), and the layout is
+        // SAFETY: the GIL is held, `dict` is a live exact dict (held), and the layout is
         // 3.11's (`hinted`).
-        self.hinted
-            .then(|| unsafe { Entries::of(self.dict.as_ptr()) })
-            .flatten()
+        unsafe {
+            Entries::of(dict.as_ptr())
+        }
     }
 
     /// `f` of the attribute `name` (`None` when the request has none), read by [`dict_get`]
@@ -1104,14 +1180,25 @@ impl<'py> PlainRequest<'py> {
         hint: &AtomicU32,
         f: impl FnOnce(Option<&Bound<'py, PyAny>>) -> R,
     ) -> PyResult<R> {
-        // The value is borrowed from the held dict for `f`, which is given a reference only
-        // for the call.
-        let value = dict_get(&self.dict, entries, name, hint)?;
+        // The value is borrowed from the request or its held dict for `f`, which is given a
+        // reference only for the call.
+        let value = match self.slots.offset(name) {
+            0 => {
+                let dict = self
+                    .dict()
+                    .ok_or_else(|| invalid("a plain request's instance dict cannot be read"))?;
+                dict_get(dict, entries, name, hint)?
+            }
+            #[allow(unsafe_code)]
+            // SAFETY: a slot offset of the request's exact class (read as its plain class's).
+            off => unsafe { Slots::get(&self.request, off) }.map(|v| (v, 0)),
+        };
         Ok(f(value.as_ref().map(|(v, _)| &**v)))
     }
 
-    /// The attribute `name` from the dict, or `None` when it has none ([`Self::peek`], the
-    /// entry table read afresh: Python code may have run since the request was read).
+    /// The attribute `name` from its slot or the dict, or `None` when it has none
+    /// ([`Self::peek`], the entry table read afresh: Python code may have run since the
+    /// request was read).
     fn field(
         &self,
         name: &Bound<'py, PyString>,
@@ -1129,7 +1216,10 @@ impl<'py> PlainRequest<'py> {
     /// The attribute `name`, from its slot or the dict, or `None` when the request has none.
     pub(crate) fn opt(&self, name: &Bound<'py, PyString>) -> PyResult<Option<Bound<'py, PyAny>>> {
         match self.slots.offset(name) {
-            0 => self.dict.get_item(name),
+            0 => match self.dict() {
+                Some(d) => d.get_item(name),
+                None => get_opt(name.py(), &self.request, name),
+            },
             #[allow(unsafe_code)]
             // SAFETY: a slot offset of the request's exact class (read as its plain class's).
             off => Ok(unsafe { Slots::get(&self.request, off) }.map(|v| v.to_owned())),
@@ -1182,6 +1272,20 @@ impl<'py> PlainRequest<'py> {
             .map_or_else(|_| "?".to_owned(), |n| n.to_string());
         PyAttributeError::new_err(format!("'{cls}' object has no attribute '{name}'"))
     }
+}
+
+/// The attribute `name` as the nearest class in `cls`'s MRO defines it, if one does.
+fn class_attr<'py>(
+    cls: &Bound<'py, PyType>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let py = cls.py();
+    for klass in cls.getattr(intern!(py, "__mro__"))?.try_iter()? {
+        if let Ok(found) = klass?.getattr(intern!(py, "__dict__"))?.get_item(name) {
+            return Ok(Some(found));
+        }
+    }
+    Ok(None)
 }
 
 /// A request's fields, read by attribute lookup or from a plain request's dict.
@@ -1267,8 +1371,9 @@ impl<'a, 'py> Fields<'a, 'py> {
             return Ok(None);
         };
         let py = p.tokens.py();
-        // One read of the entry table for the four fields: a lookup in it runs no Python code.
-        let entries = p.entries();
+        // One read of the entry table for the four fields (unless all are slots): a lookup in
+        // it runs no Python code.
+        let entries = (!p.event_fields_in_slots()).then(|| p.entries()).flatten();
         let e = entries.as_ref();
         for (name, hint) in [
             (intern!(py, "lora_request"), &DICT_HINTS.lora_request),
@@ -1295,7 +1400,9 @@ impl<'a, 'py> Fields<'a, 'py> {
         let Fields::Plain(p) = self else {
             return None;
         };
-        p.entries()?;
+        if !p.event_fields_in_slots() {
+            p.entries()?;
+        }
         self.tokens_only().ok().flatten()
     }
 
@@ -1434,23 +1541,27 @@ impl PlainState {
     /// of its `_all_token_ids`; `fallback` (vLLM's `append_output_token_ids`) serves any other
     /// class. Once per process: another class is refused (`InvalidArgumentError`).
     ///
-    /// The attributes the append reads from the instance dict (`_output_token_ids`,
-    /// `_block_hasher`, `block_hashes`) are read there at remembered entries, as CPython's own
-    /// attribute cache reads them, when the class's instances have a dict of 3.11's layout and
-    /// the class itself has no attribute of those names (which a read of the dict could
-    /// bypass); else by attribute lookup.
+    /// The attributes the append reads (`_output_token_ids`, `_all_token_ids`,
+    /// `_block_hasher`, `block_hashes`) are read from their slots where the class keeps them
+    /// in slots (`kvcore.vllm.Request` keeps all four there), else by attribute lookup.
     #[staticmethod]
     fn _serve_append(cls: &Bound<'_, PyType>, fallback: PyObject) -> PyResult<()> {
         let py = cls.py();
-        let dict_reads = dicts_are_311(py)
-            && has_instance_dict(cls)?
-            && APPEND_FIELDS
-                .iter()
-                .all(|name| !cls.hasattr(PyString::intern(py, name)).unwrap_or(true));
+        let member = py
+            .import("types")?
+            .getattr(intern!(py, "MemberDescriptorType"))?;
+        let mut slots = [None; APPEND_FIELDS.len()];
+        for (at, name) in slots.iter_mut().zip(APPEND_FIELDS) {
+            if let Some(found) = class_attr(cls, &PyString::intern(py, name))? {
+                if found.get_type().is(&member) {
+                    *at = Some(Slots::probe(cls, name, &found)?);
+                }
+            }
+        }
         let served = APPEND.get_or_init(py, || ServedAppend {
             cls: cls.clone().unbind(),
             fallback,
-            dict: dict_reads.then(|| has_managed_dict(cls)),
+            slots,
         });
         if served.cls.bind(py).is(cls) {
             Ok(())
@@ -1480,31 +1591,25 @@ impl PlainState {
             served.fallback.bind(py).call1((slf, token_ids))?;
             return Ok(());
         }
-        let (output, all) = (
-            intern!(py, "_output_token_ids"),
-            intern!(py, "_all_token_ids"),
-        );
-        let hints = &APPEND_HINTS;
-        let read = |name: &Bound<'py, PyString>, hint: &AtomicU32| served.read(slf, name, hint);
+        let read = |i: usize| served.read(slf, i);
         if token_ids.is_instance_of::<pyo3::types::PyInt>() {
-            list_append(&read(output, &hints[0])?, token_ids)?;
-            list_append(&slf.getattr(all)?, token_ids)?;
+            list_append(&read(OUTPUT)?, token_ids)?;
+            list_append(&read(ALL)?, token_ids)?;
         } else {
-            read(output, &hints[0])?.call_method1(intern!(py, "extend"), (token_ids,))?;
-            slf.getattr(all)?
-                .call_method1(intern!(py, "extend"), (token_ids,))?;
+            read(OUTPUT)?.call_method1(intern!(py, "extend"), (token_ids,))?;
+            read(ALL)?.call_method1(intern!(py, "extend"), (token_ids,))?;
         }
-        let hasher = read(intern!(py, "_block_hasher"), &hints[1])?;
+        let hasher = read(HASHER)?;
         if hasher.is_none() {
             return Ok(());
         }
-        let hashes = read(intern!(py, "block_hashes"), &hints[2])?;
+        let hashes = read(HASHES)?;
         if let Ok(native) = hasher.downcast_exact::<crate::hashing::PyRequestBlockHasher>() {
             // What that hasher reads: the hash list's length and `num_tokens` (this class's
             // is the token list's length).
             if let (Ok(list), Ok(tokens)) = (
                 hashes.downcast_exact::<PyList>(),
-                slf.getattr(all)?.downcast_into_exact::<PyList>(),
+                read(ALL)?.downcast_into_exact::<PyList>(),
             ) {
                 if native.get().window(list.len(), tokens.len()).is_none() {
                     return Ok(());
@@ -1521,47 +1626,48 @@ impl PlainState {
 struct ServedAppend {
     cls: Py<PyType>,
     fallback: PyObject,
-    /// Whether the append reads [`APPEND_FIELDS`] from the instance dict (see
-    /// [`PlainState::_serve_append`]), and then whether the class has a managed dict.
-    dict: Option<bool>,
+    /// The slot offset of each of [`APPEND_FIELDS`] the class keeps in a slot
+    /// ([`Slots::probe`]); the others are read by attribute lookup.
+    slots: [Option<u16>; APPEND_FIELDS.len()],
 }
 
 impl ServedAppend {
-    /// The attribute `name` of `request`, an instance of the served class (one of
-    /// [`APPEND_FIELDS`], `hint` its entry): from the instance dict at its entry when
-    /// [`Self::dict`] allows, else (or when the dict has no such entry) by attribute lookup.
-    fn read<'py>(
-        &self,
-        request: &Bound<'py, PlainState>,
-        name: &Bound<'py, PyString>,
-        hint: &AtomicU32,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    /// The attribute [`APPEND_FIELDS`]`[i]` of `request`, an instance of the served class:
+    /// from its slot where the class keeps it in one, else (or while the slot is unset) by
+    /// attribute lookup, which raises what vLLM's method would.
+    #[inline]
+    fn read<'py>(&self, request: &Bound<'py, PlainState>, i: usize) -> PyResult<Bound<'py, PyAny>> {
         let request = request.as_any();
-        if let Some(managed) = self.dict {
-            if let Some(dict) = instance_dict(request, managed) {
-                if let Ok(dict) = dict.downcast_exact::<PyDict>() {
-                    #[allow(unsafe_code)]
-                    // SAFETY: the GIL is held, `dict` is a live exact dict, and the layout is
-                    // 3.11's (`dict` is set only where `dicts_are_311`); the table is used by
-                    // `dict_get` at once, with no Python code run in between.
-                    let entries = unsafe { Entries::of(dict.as_ptr()) };
-                    // The value is owned before any Python code can run.
-                    if let Ok(Some((value, _))) = dict_get(dict, entries.as_ref(), name, hint) {
-                        return Ok(value.to_owned());
-                    }
-                }
+        if let Some(offset) = self.slots[i] {
+            #[allow(unsafe_code)]
+            // SAFETY: `offset` is a slot offset of the served class, `request`'s exact class
+            // (the caller's check); the value is owned before Python code runs.
+            if let Some(v) = unsafe { Slots::get(request, offset) } {
+                return Ok(v.to_owned());
             }
         }
-        request.getattr(name)
+        let py = request.py();
+        request.getattr(match i {
+            OUTPUT => intern!(py, "_output_token_ids"),
+            ALL => intern!(py, "_all_token_ids"),
+            HASHER => intern!(py, "_block_hasher"),
+            _ => intern!(py, "block_hashes"),
+        })
     }
 }
 
-/// The attributes of a served request that [`PlainState::append_output_token_ids`] reads from
-/// its instance dict.
-const APPEND_FIELDS: [&str; 3] = ["_output_token_ids", "_block_hasher", "block_hashes"];
-
-/// The entries where [`APPEND_FIELDS`] were last found (as [`DICT_HINTS`]).
-static APPEND_HINTS: [AtomicU32; 3] = [AtomicU32::new(0), AtomicU32::new(0), AtomicU32::new(0)];
+/// The attributes of a served request that [`PlainState::append_output_token_ids`] reads, by
+/// their indices below.
+const APPEND_FIELDS: [&str; 4] = [
+    "_output_token_ids",
+    "_all_token_ids",
+    "_block_hasher",
+    "block_hashes",
+];
+const OUTPUT: usize = 0;
+const ALL: usize = 1;
+const HASHER: usize = 2;
+const HASHES: usize = 3;
 
 static APPEND: GILOnceCell<ServedAppend> = GILOnceCell::new();
 
