@@ -614,7 +614,7 @@ impl Inner {
         let mut get = |i: usize| -> Result<BlockHash, Error> {
             match mirror() {
                 Some(m) => Ok(m[i]),
-                None => Ok(to_hash(&crate::pool::seq_item(fetch()?, i)?)?),
+                None => Ok(crate::pool::seq_hash(fetch()?, i)?),
             }
         };
         // With events on, a duck-typed request's event fields are read now when this call

@@ -1235,15 +1235,31 @@ impl<'py> PlainRequest<'py> {
             return Ok(None);
         }
         let py = self.request.py();
-        let id = self.get(intern!(py, "request_id"))?;
+        // The id in its slot is borrowed (its object not touched: only its address is compared
+        // with the kept id's, unless it is another); else read as any field.
+        #[allow(unsafe_code)]
+        // SAFETY: a slot offset of the request's exact class (read as its plain class's); the
+        // id is borrowed from the request, and no Python code runs while it is used below.
+        let slotted = match self.slots.fields[field::REQUEST_ID] {
+            0 => None,
+            off => unsafe { Slots::get(&self.request, off) },
+        };
+        let read;
+        let id: &Bound<'py, PyAny> = match &slotted {
+            Some(id) => id,
+            None => {
+                read = self.get(intern!(py, "request_id"))?;
+                &read
+            }
+        };
         #[allow(unsafe_code)]
         // SAFETY: the request's exact class derives from `PlainState` (`based`).
         let base = unsafe { self.request.downcast_unchecked::<PlainState>() }.get();
         let Some(mut kept) = base.kept.try_borrow(py) else {
             return Ok(None);
         };
-        if !kept.as_ref().is_some_and(|k| k.id.is(&id)) {
-            let id = request_id_of(&id)?;
+        if !kept.as_ref().is_some_and(|k| k.id.is(id)) {
+            let id = request_id_of(id)?;
             let key = crate::args::id_key(id)?.into_owned().into_boxed_str();
             base.reset_hints();
             // The id it replaces is let go: freeing a str runs no Python code.

@@ -285,6 +285,35 @@ pub(crate) fn seq_item<'py>(seq: &Bound<'py, PyAny>, i: usize) -> PyResult<Bound
     seq.get_item(i)
 }
 
+/// Entry `i` of a hash sequence as [`to_hash`] reads it: an exact list's or tuple's item read
+/// where it sits (its reference count not touched: with thousands of requests the hash's
+/// object has left the caches, and its count may sit on a line its bytes do not), any other
+/// sequence's through `__getitem__`.
+pub(crate) fn seq_hash(seq: &Bound<'_, PyAny>, i: usize) -> PyResult<BlockHash> {
+    let py = seq.py();
+    let Ok(i_ssize) = pyo3::ffi::Py_ssize_t::try_from(i) else {
+        return to_hash(&seq.get_item(i)?);
+    };
+    #[allow(unsafe_code)]
+    // SAFETY: the GIL is held (`py`) and `seq` is a live exact list or tuple; the C getters
+    // return the sequence's own (borrowed) reference to item `i`, or NULL with an
+    // `IndexError` set when `i` is out of range (taken into the result). `to_hash` runs no
+    // Python code and the borrow ends with it, so the item cannot be dropped meanwhile.
+    unsafe {
+        let item = if seq.is_exact_instance_of::<PyList>() {
+            pyo3::ffi::PyList_GetItem(seq.as_ptr(), i_ssize)
+        } else if seq.is_exact_instance_of::<PyTuple>() {
+            pyo3::ffi::PyTuple_GetItem(seq.as_ptr(), i_ssize)
+        } else {
+            return to_hash(&seq.get_item(i)?);
+        };
+        if item.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        to_hash(&pyo3::Borrowed::from_ptr(py, item))
+    }
+}
+
 /// `len(seq)`: an exact list's or tuple's read directly, any other through `len`.
 #[inline]
 pub(crate) fn seq_len(seq: &Bound<'_, PyAny>) -> PyResult<usize> {
