@@ -127,22 +127,26 @@ class HalfSlottedPlainManager(KVCacheManager):
     )
 
 
+CALL_SLOTS = (
+    "_all_token_ids",
+    "block_hashes",
+    "cache_salt",
+    "lora_request",
+    "mm_features",
+    "num_computed_tokens",
+    "num_prompt_tokens",
+    "prompt_embeds",
+    "request_id",
+)
+"""Every field a manager call reads, up to one that fills a block (``Slots::whole``)."""
+
+
 class CallSlottedPlainRequest(WidePlainRequest, PlainRequestBase):
     """Every field a call that fills a block reads in slots, the rest (``status``,
     ``skip_reading_prefix_cache``) in a wide dict, read only when asked for (the layout of
     ``kvcore.vllm.Request``)."""
 
-    __slots__ = (
-        "_all_token_ids",
-        "block_hashes",
-        "cache_salt",
-        "lora_request",
-        "mm_features",
-        "num_computed_tokens",
-        "num_prompt_tokens",
-        "prompt_embeds",
-        "request_id",
-    )
+    __slots__ = CALL_SLOTS
 
 
 class CallSlottedDuckRequest(CallSlottedPlainRequest):
@@ -158,19 +162,7 @@ class CallSlottedPlainManager(KVCacheManager):
 class AllSlottedPlainRequest(PlainRequest):
     """Every field the manager reads in a slot, with no native base."""
 
-    __slots__ = (
-        "_all_token_ids",
-        "block_hashes",
-        "cache_salt",
-        "lora_request",
-        "mm_features",
-        "num_computed_tokens",
-        "num_prompt_tokens",
-        "prompt_embeds",
-        "request_id",
-        "skip_reading_prefix_cache",
-        "status",
-    )
+    __slots__ = (*CALL_SLOTS, "skip_reading_prefix_cache", "status")
 
 
 class AllSlottedDuckRequest(AllSlottedPlainRequest):

@@ -614,7 +614,7 @@ impl Inner {
         let mut get = |i: usize| -> Result<BlockHash, Error> {
             match mirror() {
                 Some(m) => Ok(m[i]),
-                None => Ok(crate::pool::seq_hash(fetch()?, i)?),
+                None => Ok(crate::pool::read_seq_item(fetch()?, i, to_hash)?),
             }
         };
         // With events on, a duck-typed request's event fields are read now when this call

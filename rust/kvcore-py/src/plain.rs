@@ -529,8 +529,9 @@ impl PlainClass {
     /// Registers `cls`, whose `num_tokens` is `len(getattr(request, tokens))`.
     ///
     /// Refused (`InvalidArgumentError`) unless instances have a `__dict__`, attribute lookup
-    /// is `object`'s (no `__getattribute__` or `__getattr__` of the class's own), and no
-    /// class in its MRO defines any of the fields read from the dict or `tokens`.
+    /// is `object`'s (no `__getattribute__` or `__getattr__` of the class's own), and the
+    /// fields read and `tokens` are instance attributes: in the dict, or in a slot (as the
+    /// nearest class in its MRO that names them defines them, which attribute lookup finds).
     pub(crate) fn new(cls: &Bound<'_, PyType>, tokens: &Bound<'_, PyString>) -> PyResult<Self> {
         let py = cls.py();
         let object = py.get_type::<pyo3::types::PyAny>();
@@ -545,35 +546,24 @@ impl PlainClass {
         {
             return Err(invalid(format!("{name} customises attribute lookup")));
         }
-        let member = py
-            .import("types")?
-            .getattr(intern!(py, "MemberDescriptorType"))?;
         let mut slots = Slots {
             tokens_name: tokens.as_ptr() as usize,
             ..Slots::default()
         };
-        for klass in cls.getattr(intern!(py, "__mro__"))?.try_iter()? {
-            let klass = klass?;
-            let vars = klass.getattr(intern!(py, "__dict__"))?;
-            let names = field_names(py);
-            for (i, field) in names.into_iter().chain([tokens]).enumerate() {
-                let Some(found) = vars.get_item(field).ok() else {
-                    continue;
-                };
-                // A field may be a slot (the nearest in the MRO is the one read).
-                if !found.get_type().is(&member) {
+        for (i, field) in field_names(py).into_iter().chain([tokens]).enumerate() {
+            let at = match class_attr(cls, field)? {
+                ClassAttr::Undefined => continue,
+                ClassAttr::Slot(at) => at,
+                ClassAttr::Other => {
                     return Err(invalid(format!(
                         "{name}'s class defines {field}: it is not a plain instance attribute"
-                    )));
+                    )))
                 }
-                let at = if field.is(tokens) {
-                    &mut slots.tokens
-                } else {
-                    &mut slots.fields[i]
-                };
-                if *at == 0 {
-                    *at = Slots::probe(cls, field.to_str()?, &found)?;
-                }
+            };
+            if field.is(tokens) {
+                slots.tokens = at;
+            } else {
+                slots.fields[i] = at;
             }
         }
         let hinted = dicts_are_311(py);
@@ -1027,15 +1017,16 @@ impl<'py> PlainView<'_, 'py> {
     /// The fields held (reference counted), for a path that may run Python code; `None` when
     /// the instance dict, not read yet, is not an exact dict or cannot be made.
     pub(crate) fn to_owned(&self) -> Option<PlainRequest<'py>> {
-        let dict = std::cell::OnceCell::new();
-        let read = match self.dict {
-            Some(d) => Some(d),
-            None if self.class.dictless => None,
-            None => Some(instance_dict(self.request, self.class.managed)?),
+        let exact =
+            |d: Borrowed<'_, 'py, PyAny>| Some(d.downcast_exact::<PyDict>().ok()?.to_owned());
+        let dict = match self.dict {
+            Some(d) => std::cell::OnceCell::from(Some(exact(d)?)),
+            None if self.class.dictless => std::cell::OnceCell::new(),
+            None => std::cell::OnceCell::from(Some(exact(instance_dict(
+                self.request,
+                self.class.managed,
+            )?)?)),
         };
-        if let Some(d) = read {
-            let _ = dict.set(Some(d.downcast_exact::<PyDict>().ok()?.to_owned()));
-        }
         Some(PlainRequest {
             request: self.request.clone(),
             dict,
@@ -1290,18 +1281,33 @@ impl<'py> PlainRequest<'py> {
     }
 }
 
-/// The attribute `name` as the nearest class in `cls`'s MRO defines it, if one does.
-fn class_attr<'py>(
-    cls: &Bound<'py, PyType>,
-    name: &Bound<'py, PyString>,
-) -> PyResult<Option<Bound<'py, PyAny>>> {
+/// How the nearest class in a class's MRO that names an attribute defines it ([`class_attr`]).
+enum ClassAttr {
+    /// No class names it: an instance attribute, kept in the instance dict.
+    Undefined,
+    /// A slot of the instances, at this offset ([`Slots::probe`]).
+    Slot(u16),
+    /// Anything else (a property, a method, a class attribute).
+    Other,
+}
+
+/// How `cls` defines the attribute `name`, as attribute lookup finds it: by the nearest class
+/// in its MRO whose `__dict__` names it.
+fn class_attr(cls: &Bound<'_, PyType>, name: &Bound<'_, PyString>) -> PyResult<ClassAttr> {
     let py = cls.py();
+    let member = py
+        .import("types")?
+        .getattr(intern!(py, "MemberDescriptorType"))?;
     for klass in cls.getattr(intern!(py, "__mro__"))?.try_iter()? {
         if let Ok(found) = klass?.getattr(intern!(py, "__dict__"))?.get_item(name) {
-            return Ok(Some(found));
+            return Ok(if found.get_type().is(&member) {
+                ClassAttr::Slot(Slots::probe(cls, name.to_str()?, &found)?)
+            } else {
+                ClassAttr::Other
+            });
         }
     }
-    Ok(None)
+    Ok(ClassAttr::Undefined)
 }
 
 /// A request's fields, read by attribute lookup or from a plain request's dict.
@@ -1563,20 +1569,17 @@ impl PlainState {
     #[staticmethod]
     fn _serve_append(cls: &Bound<'_, PyType>, fallback: PyObject) -> PyResult<()> {
         let py = cls.py();
-        let member = py
-            .import("types")?
-            .getattr(intern!(py, "MemberDescriptorType"))?;
+        let names = APPEND_FIELDS.map(|name| PyString::intern(py, name));
         let mut slots = [None; APPEND_FIELDS.len()];
-        for (at, name) in slots.iter_mut().zip(APPEND_FIELDS) {
-            if let Some(found) = class_attr(cls, &PyString::intern(py, name))? {
-                if found.get_type().is(&member) {
-                    *at = Some(Slots::probe(cls, name, &found)?);
-                }
+        for (at, name) in slots.iter_mut().zip(&names) {
+            if let ClassAttr::Slot(offset) = class_attr(cls, name)? {
+                *at = Some(offset);
             }
         }
         let served = APPEND.get_or_init(py, || ServedAppend {
             cls: cls.clone().unbind(),
             fallback,
+            names: names.map(Bound::unbind),
             slots,
         });
         if served.cls.bind(py).is(cls) {
@@ -1642,8 +1645,10 @@ impl PlainState {
 struct ServedAppend {
     cls: Py<PyType>,
     fallback: PyObject,
-    /// The slot offset of each of [`APPEND_FIELDS`] the class keeps in a slot
-    /// ([`Slots::probe`]); the others are read by attribute lookup.
+    /// [`APPEND_FIELDS`], interned.
+    names: [Py<PyString>; APPEND_FIELDS.len()],
+    /// The slot offset of each of them the class keeps in a slot ([`Slots::probe`]); the
+    /// others are read by attribute lookup.
     slots: [Option<u16>; APPEND_FIELDS.len()],
 }
 
@@ -1662,13 +1667,7 @@ impl ServedAppend {
                 return Ok(v.to_owned());
             }
         }
-        let py = request.py();
-        request.getattr(match i {
-            OUTPUT => intern!(py, "_output_token_ids"),
-            ALL => intern!(py, "_all_token_ids"),
-            HASHER => intern!(py, "_block_hasher"),
-            _ => intern!(py, "block_hashes"),
-        })
+        request.getattr(self.names[i].bind(request.py()))
     }
 }
 

@@ -272,45 +272,39 @@ pub(crate) fn list_or_copy<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, 
     Ok(PyList::new(obj.py(), items)?.into_any())
 }
 
-/// Item `i` of a sequence (`seq[i]`): an exact list's or tuple's read directly (no index int
-/// made, no Python code run), any other through the sequence protocol.
+/// `read` of item `i` of a sequence (`seq[i]`): an exact list's or tuple's item borrowed where
+/// it sits (no index int made, no Python code run, its reference count not touched: with
+/// thousands of requests an item's object has left the caches, and its count may sit on a
+/// line the read does not need), any other sequence's through the sequence protocol. `read`
+/// must run no Python code: it borrows the item.
 #[inline]
-pub(crate) fn seq_item<'py>(seq: &Bound<'py, PyAny>, i: usize) -> PyResult<Bound<'py, PyAny>> {
-    if let Ok(list) = seq.downcast_exact::<PyList>() {
-        return list.get_item(i);
-    }
-    if let Ok(tuple) = seq.downcast_exact::<PyTuple>() {
-        return tuple.get_item(i);
-    }
-    seq.get_item(i)
-}
-
-/// Entry `i` of a hash sequence as [`to_hash`] reads it: an exact list's or tuple's item read
-/// where it sits (its reference count not touched: with thousands of requests the hash's
-/// object has left the caches, and its count may sit on a line its bytes do not), any other
-/// sequence's through `__getitem__`.
-pub(crate) fn seq_hash(seq: &Bound<'_, PyAny>, i: usize) -> PyResult<BlockHash> {
+pub(crate) fn read_seq_item<'py, R>(
+    seq: &Bound<'py, PyAny>,
+    i: usize,
+    read: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<R>,
+) -> PyResult<R> {
     let py = seq.py();
-    let Ok(i_ssize) = pyo3::ffi::Py_ssize_t::try_from(i) else {
-        return to_hash(&seq.get_item(i)?);
+    let Ok(at) = pyo3::ffi::Py_ssize_t::try_from(i) else {
+        return read(&seq.get_item(i)?);
     };
     #[allow(unsafe_code)]
     // SAFETY: the GIL is held (`py`) and `seq` is a live exact list or tuple; the C getters
     // return the sequence's own (borrowed) reference to item `i`, or NULL with an
-    // `IndexError` set when `i` is out of range (taken into the result). `to_hash` runs no
-    // Python code and the borrow ends with it, so the item cannot be dropped meanwhile.
+    // `IndexError` set when `i` is out of range (taken into the result). `read` runs no
+    // Python code (its contract) and the borrow ends with it, so the item cannot be dropped
+    // meanwhile.
     unsafe {
         let item = if seq.is_exact_instance_of::<PyList>() {
-            pyo3::ffi::PyList_GetItem(seq.as_ptr(), i_ssize)
+            pyo3::ffi::PyList_GetItem(seq.as_ptr(), at)
         } else if seq.is_exact_instance_of::<PyTuple>() {
-            pyo3::ffi::PyTuple_GetItem(seq.as_ptr(), i_ssize)
+            pyo3::ffi::PyTuple_GetItem(seq.as_ptr(), at)
         } else {
-            return to_hash(&seq.get_item(i)?);
+            return read(&seq.get_item(i)?);
         };
         if item.is_null() {
             return Err(PyErr::fetch(py));
         }
-        to_hash(&pyo3::Borrowed::from_ptr(py, item))
+        read(&pyo3::Borrowed::from_ptr(py, item))
     }
 }
 
@@ -329,11 +323,12 @@ pub(crate) fn seq_len(seq: &Bound<'_, PyAny>) -> PyResult<usize> {
 /// Entry `i` of a hash sequence as a lookup key: `None` for bytes no block can be stored
 /// under (a miss, as `get_cached_block` answers).
 fn read_hash(hashes: &Bound<'_, PyAny>, i: usize) -> PyResult<Option<BlockHash>> {
-    let item = seq_item(hashes, i)?;
-    let b = item
-        .downcast::<PyBytes>()
-        .map_err(|_| type_error("block_hash", "bytes", &item))?;
-    Ok(BlockHash::from_slice(b.as_bytes()))
+    read_seq_item(hashes, i, |item| {
+        let b = item
+            .downcast::<PyBytes>()
+            .map_err(|_| type_error("block_hash", "bytes", item))?;
+        Ok(BlockHash::from_slice(b.as_bytes()))
+    })
 }
 
 /// The Python function that computes a block's extra keys (SPEC XK-1), which
