@@ -216,3 +216,84 @@ def test_a_subclass_gets_vllms_method() -> None:
     PlainRequestBase._serve_append(kvcore.vllm.Request, VllmRequest.append_output_token_ids)
     with pytest.raises(InvalidArgumentError, match="another class"):
         PlainRequestBase._serve_append(Sub, VllmRequest.append_output_token_ids)
+
+
+def _edit(rng: random.Random, r: VllmRequest, pick: int, token: int) -> None:
+    """One change of the request's token list, as vLLM's own code makes them (the native
+    append, an append of several, an item replaced, a truncation and extension as a streaming
+    update makes, a ``pop``), or by a caller (an int of another type, a fresh int object of
+    the same value)."""
+    tokens = r._all_token_ids
+    if pick < 5:
+        r.append_output_token_ids(token)
+    elif pick == 5:
+        r.append_output_token_ids([token, token + 1, token + 2])
+    elif pick == 6:
+        tokens[-1] = token
+    elif pick == 7:
+        cut = rng.randrange(1, 4)
+        del tokens[-cut:]
+        tokens.extend(token + i for i in range(cut))
+    elif pick == 8:
+        tokens.pop()
+        tokens.append(token)
+    elif pick == 9:
+        tokens[-1] = int(str(int(tokens[-1])))  # another object, the same value
+    else:
+        r.append_output_token_ids(True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_events_follow_in_place_edits_of_the_token_list(seed: int) -> None:
+    """The native append keeps the tokens it appends for the call that stores their block
+    (its event takes them instead of slicing the list); vLLM's code also edits the list in
+    place. Against vLLM's own manager and ``Request``: after every kind of edit, each call's
+    blocks and each step's events are the reference's (the event's tokens are the list's at
+    the call, the same int objects)."""
+    import vllm_harness as h
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+
+    kv_cache_utils.init_none_hash(vllm_hashing.sha256)
+    rng = random.Random(seed)
+    setup = h.Setup(block_size=BLOCK, num_blocks=400)
+    kwargs: dict[str, Any] = {
+        "max_model_len": 4096,
+        "scheduler_block_size": BLOCK,
+        "hash_block_size": BLOCK,
+        "enable_kv_cache_events": True,
+    }
+    ref_mgr = VllmManager(h.kv_cache_config(setup), **kwargs)
+    our_mgr = kvcore.vllm.KVCacheManager(h.kv_cache_config(setup), **kwargs)
+    ref_hasher = kv_cache_utils.get_request_block_hasher(BLOCK, vllm_hashing.sha256)
+    our_hasher = kvcore.vllm.get_request_block_hasher(BLOCK, vllm_hashing.sha256)
+    pairs: list[tuple[VllmRequest, kvcore.vllm.Request]] = []
+    for i in range(4):
+        prompt = [rng.randrange(1000, 60_000) for _ in range(rng.randrange(3, 11))]
+        pair = (
+            VllmRequest(
+                f"r{i}", list(prompt), SamplingParams(max_tokens=900), None, block_hasher=ref_hasher
+            ),
+            kvcore.vllm.Request(
+                f"r{i}", list(prompt), SamplingParams(max_tokens=900), None, block_hasher=our_hasher
+            ),
+        )
+        got = [
+            m.allocate_slots(r, r.num_tokens) for m, r in zip((ref_mgr, our_mgr), pair, strict=True)
+        ]
+        assert [g.get_block_ids() for g in got] == [g.get_block_ids() for g in got[:1]] * 2
+        pairs.append(pair)
+    stored = 0
+    for _step in range(150):
+        for pair in pairs:
+            pick, token = rng.randrange(14), rng.randrange(1000, 60_000)
+            for r in pair:
+                _edit(random.Random(token), r, pick, token)
+                r.num_computed_tokens = r.num_tokens - 1
+            got = [m.allocate_slots(r, 1) for m, r in zip((ref_mgr, our_mgr), pair, strict=True)]
+            assert got[1] is not None and got[0] is not None
+            assert got[1].get_block_ids() == got[0].get_block_ids()
+            assert pair[1]._all_token_ids == pair[0]._all_token_ids
+        ref_events, our_events = ref_mgr.take_events(), our_mgr.take_events()
+        assert our_events == ref_events
+        stored += sum(type(e).__name__ == "BlockStored" for e in ref_events)
+    assert stored > 100

@@ -308,6 +308,40 @@ fn each_exact_i64(
     true
 }
 
+/// Whether items `start..start + objs.len()` of `list` are the objects `objs` themselves
+/// (compared by address, nothing read through them); `false` when the range is past the end.
+pub fn list_items_are(list: &Bound<'_, PyList>, start: usize, objs: &[Py<PyAny>]) -> bool {
+    let Some(end) = start.checked_add(objs.len()) else {
+        return false;
+    };
+    if end > list_len(list) {
+        return false;
+    }
+    if LISTS_ARE_311.load(Ordering::Relaxed) {
+        #[allow(unsafe_code)]
+        // SAFETY: the GIL is held and lists have 3.11's layout (`LISTS_ARE_311`, probed):
+        // `ob_item` points at the list's `len(list)` item pointers and `end <= len(list)`.
+        // Only the pointers are read; nothing runs Python code meanwhile.
+        unsafe {
+            let items = list_items_311(list.as_ptr()).add(start);
+            return objs
+                .iter()
+                .enumerate()
+                .all(|(i, o)| *items.add(i) == o.as_ptr());
+        }
+    }
+    objs.iter().enumerate().all(|(i, o)| {
+        #[allow(unsafe_code)]
+        // SAFETY: the GIL is held and `start + i < end <= len(list)`: `PyList_GetItem`
+        // returns the list's own (borrowed) reference without setting an error; only its
+        // address is compared.
+        let item = unsafe {
+            pyo3::ffi::PyList_GetItem(list.as_ptr(), (start + i) as pyo3::ffi::Py_ssize_t)
+        };
+        item == o.as_ptr()
+    })
+}
+
 /// Whether [`each_exact_i64`] reads a list's items from its item array ([`list_items_311`]): set at
 /// module import by [`probe_ints`].
 static LISTS_ARE_311: AtomicBool = AtomicBool::new(false);

@@ -298,8 +298,9 @@ enum MetaSource<'a, 'py> {
     Request(&'a Bound<'py, PyAny>),
     /// A copy of a duck-typed request's fields.
     Snapshot(Bound<'py, PyAny>),
-    /// A plain request's token list: it has no other event field.
-    Tokens(&'a Bound<'py, PyList>),
+    /// A plain request's token list: it has no other event field; and its native base, whose
+    /// token window may hold the tokens ([`crate::plain::PlainState::take_window`]).
+    Tokens(&'a Bound<'py, PyList>, Option<&'a crate::plain::PlainState>),
 }
 
 impl MetaSource<'_, '_> {
@@ -307,7 +308,7 @@ impl MetaSource<'_, '_> {
         match self {
             MetaSource::Request(r) => stored_meta(r.py(), r, req),
             MetaSource::Snapshot(r) => stored_meta(r.py(), r, req),
-            MetaSource::Tokens(t) => tokens_only_meta(t, req),
+            MetaSource::Tokens(t, base) => tokens_only_meta(t, *base, req),
         }
     }
 }
@@ -329,7 +330,7 @@ impl Inner {
     /// held).
     fn meta_source<'a, 'py>(fields: &'a Fields<'a, 'py>) -> PyResult<MetaSource<'a, 'py>> {
         Ok(match fields.tokens_only()? {
-            Some(tokens) => MetaSource::Tokens(tokens),
+            Some(tokens) => MetaSource::Tokens(tokens, fields.plain_base()),
             None => MetaSource::Snapshot(fields.event_snapshot()?),
         })
     }
@@ -635,7 +636,7 @@ impl Inner {
             {
                 MetaSource::Request(request)
             } else if let Some(tokens) = fields.quiet_tokens_only() {
-                MetaSource::Tokens(tokens)
+                MetaSource::Tokens(tokens, fields.plain_base())
             } else if may_cache_a_block()? {
                 Inner::meta_source(&fields)?
             } else {

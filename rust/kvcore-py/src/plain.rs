@@ -20,7 +20,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::Borrowed;
 use pyo3::{PyTraverseError, PyVisit};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use crate::args::{
@@ -1460,6 +1460,19 @@ impl<'a, 'py> Fields<'a, 'py> {
         cls.bind(py).call((), Some(&fields))
     }
 
+    /// A plain request's native base, when its class derives from [`PlainState`].
+    pub(crate) fn plain_base(&self) -> Option<&PlainState> {
+        let Fields::Plain(p) = self else {
+            return None;
+        };
+        if !p.based {
+            return None;
+        }
+        #[allow(unsafe_code)]
+        // SAFETY: the request's exact class derives from `PlainState` (`based`).
+        Some(unsafe { p.request.downcast_unchecked::<PlainState>() }.get())
+    }
+
     /// The request object.
     pub(crate) fn request(&self) -> &Bound<'py, PyAny> {
         match self {
@@ -1478,7 +1491,11 @@ impl<'a, 'py> Fields<'a, 'py> {
 /// request shared by managers is answered right. It takes and ignores any constructor
 /// arguments (its subclass's `__init__` reads them).
 ///
-/// Laid out in declaration order (`repr(C)`) and kept small (96 bytes with the object's
+/// It also holds the request's token window ([`TokenWindow`]): the token objects the native
+/// append added since the last block a call with events stored, which the call that stores
+/// the next block hands to its event where the list still holds them.
+///
+/// Laid out in declaration order (`repr(C)`) and kept small (112 bytes with the object's
 /// header), so that what a decode call reads of the request (the cell's flag, the id, the
 /// token list, the key, the first group's hint, then the subclass's slots right after the
 /// base) spans two or three cache lines: the lines of its slots and its reference count,
@@ -1494,9 +1511,131 @@ pub(crate) struct PlainState {
     /// groups: made by the first such call (out of line, so that one group's calls read the
     /// fewest lines).
     hints: OnceLock<Box<[kvcore_core::tables::HintCell; INLINE_HINTS]>>,
+    /// The token ids appended since the last block a call with events stored
+    /// ([`TokenWindow`]); made by that call, so a request no such call saw keeps none.
+    window: GilRefCell<Option<Box<TokenWindow>>>,
 }
 
+/// The token objects at positions `start..` of a request's token list, as the native append
+/// ([`PlainState::append_output_token_ids`]) put them there, each held: a later call that
+/// stores the block they fill hands them to its `BlockStored` event instead of slicing the
+/// list, whose int objects, with thousands of requests, are no longer in the caches by then.
+///
+/// Only a hint: vLLM's code edits the list in place too (`del`, `extend`, `pop`), so a call
+/// uses the window only where the list's items are these very objects, compared by address.
+/// The window holds them, so no other object can have their addresses meanwhile, and ints do
+/// not change: the same addresses are the same values. Each is an exact `int` within `i64`,
+/// as the event's slice path requires.
+struct TokenWindow {
+    start: usize,
+    objs: Vec<Py<PyAny>>,
+}
+
+/// The most tokens a window holds; an append past it starts the window again (a request whose
+/// blocks are larger is read from its list).
+const WINDOW_CAP: usize = 1024;
+
+/// The block size of the last call that stored a block of a request with a native base by
+/// slicing its list, events on (0 before any): once set, the native append makes a request's
+/// window when it has none, from the start of the block its token falls in, so that the
+/// request's next stored block is in it. A process whose managers send no events makes none.
+static WINDOW_BLOCK: AtomicUsize = AtomicUsize::new(0);
+
 impl PlainState {
+    /// Items `start..end` of `tokens` (the request's token list), taken from the window when
+    /// they are its objects; the window then keeps what follows `end`. `None` when the window
+    /// does not cover the range or the list holds other objects there (the caller slices the
+    /// list, then [`Self::restart_window`]). Runs no Python code.
+    pub(crate) fn take_window(
+        &self,
+        tokens: &Bound<'_, PyList>,
+        start: usize,
+        end: usize,
+    ) -> Option<Vec<Py<PyAny>>> {
+        let mut cell = self.window.try_borrow(tokens.py())?;
+        let w = cell.as_mut()?;
+        let (lo, hi) = (start.checked_sub(w.start)?, end.checked_sub(w.start)?);
+        if lo > hi || !crate::args::list_items_are(tokens, start, w.objs.get(lo..hi)?) {
+            return None;
+        }
+        // What precedes the range goes (ints: freeing one runs no Python code).
+        let mut rest = w.objs.split_off(hi);
+        std::mem::swap(&mut rest, &mut w.objs);
+        w.start = end;
+        rest.drain(..lo);
+        Some(rest)
+    }
+
+    /// After a call that stored blocks of `block` tokens of `tokens`, up to `end`, by slicing
+    /// the list: the window starts at `end`, with the list's items after it when they are exact
+    /// ints within `i64` (else empty, at the list's end, for the appends to come). Made on
+    /// first use; from then on the native append makes the windows of requests that have none
+    /// ([`WINDOW_BLOCK`]).
+    pub(crate) fn restart_window(&self, tokens: &Bound<'_, PyList>, end: usize, block: usize) {
+        let py = tokens.py();
+        if block > 0 {
+            WINDOW_BLOCK.store(block, Ordering::Relaxed);
+        }
+        let Some(mut cell) = self.window.try_borrow(py) else {
+            return;
+        };
+        let len = list_len(tokens);
+        let w = cell.get_or_insert_with(|| {
+            Box::new(TokenWindow {
+                start: len,
+                objs: Vec::new(),
+            })
+        });
+        w.objs.clear();
+        w.start = len;
+        if end < len && len - end <= WINDOW_CAP && crate::args::all_exact_i64s(tokens, end, len) {
+            w.start = end;
+            w.objs
+                .extend((end..len).filter_map(|i| tokens.get_item(i).ok().map(Bound::unbind)));
+        }
+    }
+
+    /// Notes the items of `tokens` from `at` on, just appended, in the window: pushed when the
+    /// window ends at `at`, else the window starts again with them. An item that is not an
+    /// exact int within `i64` starts it after that item. A request without a window gets one
+    /// once some call has wanted one ([`WINDOW_BLOCK`]), from the start of `at`'s block.
+    fn window_note(&self, tokens: &Bound<'_, PyList>, at: usize) {
+        let Some(mut cell) = self.window.try_borrow(tokens.py()) else {
+            return;
+        };
+        let len = list_len(tokens);
+        let mut from = at;
+        let w = match cell.as_mut() {
+            Some(w) => w,
+            None => {
+                let block = WINDOW_BLOCK.load(Ordering::Relaxed);
+                if block == 0 || block > WINDOW_CAP {
+                    return;
+                }
+                from = at - at % block;
+                cell.insert(Box::new(TokenWindow {
+                    start: from,
+                    objs: Vec::new(),
+                }))
+            }
+        };
+        if w.start + w.objs.len() != from || w.objs.len() + len.saturating_sub(from) > WINDOW_CAP {
+            w.objs.clear();
+            w.start = from;
+        }
+        for i in from..len {
+            let Ok(item) = tokens.get_item(i) else {
+                break;
+            };
+            if crate::args::exact_i64(&item).is_some() {
+                w.objs.push(item.unbind());
+            } else {
+                w.objs.clear();
+                w.start = i + 1;
+            }
+        }
+    }
+
     /// The hints of a manager of `groups` groups (of the first [`INLINE_HINTS`]).
     #[inline]
     fn hints(&self, groups: usize) -> &[kvcore_core::tables::HintCell] {
@@ -1534,6 +1673,7 @@ impl PlainState {
             kept: GilRefCell::new(None),
             hint: Default::default(),
             hints: OnceLock::new(),
+            window: GilRefCell::new(None),
         }
     }
 
@@ -1613,10 +1753,19 @@ impl PlainState {
         let read = |i: usize| served.read(slf, i);
         if token_ids.is_instance_of::<pyo3::types::PyInt>() {
             list_append(&read(OUTPUT)?, token_ids)?;
-            list_append(&read(ALL)?, token_ids)?;
+            let all = read(ALL)?;
+            list_append(&all, token_ids)?;
+            if let Ok(list) = all.downcast_exact::<PyList>() {
+                slf.get().window_note(list, list_len(list) - 1);
+            }
         } else {
             read(OUTPUT)?.call_method1(intern!(py, "extend"), (token_ids,))?;
-            read(ALL)?.call_method1(intern!(py, "extend"), (token_ids,))?;
+            let all = read(ALL)?;
+            let before = all.downcast_exact::<PyList>().map(list_len);
+            all.call_method1(intern!(py, "extend"), (token_ids,))?;
+            if let (Ok(list), Ok(at)) = (all.downcast_exact::<PyList>(), before) {
+                slf.get().window_note(list, at);
+            }
         }
         let hasher = read(HASHER)?;
         if hasher.is_none() {

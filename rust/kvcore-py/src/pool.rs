@@ -220,14 +220,25 @@ pub(crate) fn tokens_meta(token_ids: TokenIds, req: &MetaRequest<'_>) -> StoredM
 /// to be an int64 as [`stored_meta`] reads it.
 pub(crate) fn tokens_only_meta(
     tokens: &Bound<'_, PyList>,
+    base: Option<&crate::plain::PlainState>,
     req: &MetaRequest<'_>,
 ) -> PyResult<StoredMeta> {
     let (start, end) = req.token_range;
+    if let Some(held) = base.and_then(|b| b.take_window(tokens, start, end)) {
+        return Ok(tokens_meta(
+            TokenIds::Carried(Carried::new(TokenObjs(held))),
+            req,
+        ));
+    }
     let slice = tokens.get_slice(start, end);
     if !all_exact_i64s(tokens, start, end) {
         // Anything else as `stored_meta` reads it (an int subclass, or the error).
         let ids: Vec<i64> = slice.extract()?;
         return Ok(tokens_meta(ids.into(), req));
+    }
+    if let Some(b) = base {
+        let block = req.block_ranges.first().map_or(0, |&(s, e)| e - s);
+        b.restart_window(tokens, end, block);
     }
     Ok(tokens_meta(
         TokenIds::Carried(Carried::new(slice.unbind())),
@@ -235,23 +246,37 @@ pub(crate) fn tokens_only_meta(
     ))
 }
 
-/// The token ids of an event: its carried list ([`tokens_only_meta`]), moved out when the
-/// event is its only holder, or a list of its ids.
+/// A request's token objects, in order, as a call took them from its token window
+/// ([`crate::plain::PlainState::take_window`]): the items a slice of its list would hold.
+struct TokenObjs(Vec<Py<PyAny>>);
+
+/// The token ids of an event: its carried list or objects ([`tokens_only_meta`]), moved out
+/// when the event is their only holder, or a list of its ids.
 pub(crate) fn token_ids_into_py(py: Python<'_>, ids: TokenIds) -> PyResult<Bound<'_, PyAny>> {
     match ids {
         TokenIds::Ids(v) => Ok(PyList::new(py, v)?.into_any()),
         TokenIds::Carried(c) => match c.try_take::<Py<PyList>>() {
             Ok(list) => Ok(list.into_bound(py).into_any()),
-            Err(shared) => Ok(carried_list(py, &shared)?.into_any()),
+            Err(c) => match c.try_take::<TokenObjs>() {
+                Ok(objs) => Ok(PyList::new(py, objs.0)?.into_any()),
+                Err(shared) => Ok(carried_list(py, &shared)?.into_any()),
+            },
         },
     }
 }
 
-/// The token list [`tokens_only_meta`] carries.
+/// The token list [`tokens_only_meta`] carries (a new list of the objects it took from a
+/// window).
 fn carried_list<'py>(py: Python<'py>, c: &Carried) -> PyResult<Bound<'py, PyList>> {
-    c.get::<Py<PyList>>()
-        .map(|l| l.bind(py).clone())
-        .ok_or_else(|| invalid("an event carries token ids the bindings did not make"))
+    if let Some(l) = c.get::<Py<PyList>>() {
+        return Ok(l.bind(py).clone());
+    }
+    if let Some(objs) = c.get::<TokenObjs>() {
+        return PyList::new(py, objs.0.iter().map(|o| o.bind(py)));
+    }
+    Err(invalid(
+        "an event carries token ids the bindings did not make",
+    ))
 }
 
 /// A positive count.
