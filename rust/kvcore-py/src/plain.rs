@@ -1495,7 +1495,7 @@ impl<'a, 'py> Fields<'a, 'py> {
 /// append added since the last block a call with events stored, which the call that stores
 /// the next block hands to its event where the list still holds them.
 ///
-/// Laid out in declaration order (`repr(C)`) and kept small (112 bytes with the object's
+/// Laid out in declaration order (`repr(C)`) and kept small (136 bytes with the object's
 /// header), so that what a decode call reads of the request (the cell's flag, the id, the
 /// token list, the key, the first group's hint, then the subclass's slots right after the
 /// base) spans two or three cache lines: the lines of its slots and its reference count,
@@ -1513,7 +1513,7 @@ pub(crate) struct PlainState {
     hints: OnceLock<Box<[kvcore_core::tables::HintCell; INLINE_HINTS]>>,
     /// The token ids appended since the last block a call with events stored
     /// ([`TokenWindow`]); made by that call, so a request no such call saw keeps none.
-    window: GilRefCell<Option<Box<TokenWindow>>>,
+    window: GilRefCell<Option<TokenWindow>>,
 }
 
 /// The token objects at positions `start..` of a request's token list, as the native append
@@ -1580,11 +1580,9 @@ impl PlainState {
             return;
         };
         let len = list_len(tokens);
-        let w = cell.get_or_insert_with(|| {
-            Box::new(TokenWindow {
-                start: len,
-                objs: Vec::new(),
-            })
+        let w = cell.get_or_insert_with(|| TokenWindow {
+            start: len,
+            objs: Vec::new(),
         });
         w.objs.clear();
         w.start = len;
@@ -1599,10 +1597,23 @@ impl PlainState {
     /// window ends at `at`, else the window starts again with them. An item that is not an
     /// exact int within `i64` starts it after that item. A request without a window gets one
     /// once some call has wanted one ([`WINDOW_BLOCK`]), from the start of `at`'s block.
-    fn window_note(&self, tokens: &Bound<'_, PyList>, at: usize) {
+    /// `token`, when given, is the one item appended (pushed as it is, when the window ends at
+    /// `at`, without reading the list again).
+    fn window_note(&self, tokens: &Bound<'_, PyList>, at: usize, token: Option<&Bound<'_, PyAny>>) {
         let Some(mut cell) = self.window.try_borrow(tokens.py()) else {
             return;
         };
+        if let (Some(w), Some(token)) = (cell.as_mut(), token) {
+            if w.start + w.objs.len() == at && w.objs.len() < WINDOW_CAP {
+                if crate::args::exact_i64(token).is_some() {
+                    w.objs.push(token.clone().unbind());
+                } else {
+                    w.objs.clear();
+                    w.start = at + 1;
+                }
+                return;
+            }
+        }
         let len = list_len(tokens);
         let mut from = at;
         let w = match cell.as_mut() {
@@ -1613,10 +1624,10 @@ impl PlainState {
                     return;
                 }
                 from = at - at % block;
-                cell.insert(Box::new(TokenWindow {
+                cell.insert(TokenWindow {
                     start: from,
                     objs: Vec::new(),
-                }))
+                })
             }
         };
         if w.start + w.objs.len() != from || w.objs.len() + len.saturating_sub(from) > WINDOW_CAP {
@@ -1756,7 +1767,8 @@ impl PlainState {
             let all = read(ALL)?;
             list_append(&all, token_ids)?;
             if let Ok(list) = all.downcast_exact::<PyList>() {
-                slf.get().window_note(list, list_len(list) - 1);
+                slf.get()
+                    .window_note(list, list_len(list) - 1, Some(token_ids));
             }
         } else {
             read(OUTPUT)?.call_method1(intern!(py, "extend"), (token_ids,))?;
@@ -1764,7 +1776,7 @@ impl PlainState {
             let before = all.downcast_exact::<PyList>().map(list_len);
             all.call_method1(intern!(py, "extend"), (token_ids,))?;
             if let (Ok(list), Ok(at)) = (all.downcast_exact::<PyList>(), before) {
-                slf.get().window_note(list, at);
+                slf.get().window_note(list, at, None);
             }
         }
         let hasher = read(HASHER)?;
