@@ -3,6 +3,7 @@ vLLM's own ``Request`` call by call."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -245,11 +246,12 @@ def _edit(rng: random.Random, r: VllmRequest, pick: int, token: int) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_events_follow_in_place_edits_of_the_token_list(seed: int) -> None:
-    """The native append keeps the tokens it appends for the call that stores their block
-    (its event takes them instead of slicing the list); vLLM's code also edits the list in
-    place. Against vLLM's own manager and ``Request``: after every kind of edit, each call's
-    blocks and each step's events are the reference's (the event's tokens are the list's at
-    the call, the same int objects)."""
+    """The native append keeps the tokens and hashes it appends for the call that stores their
+    block (its event takes the tokens instead of slicing the list, the call takes the hash's
+    value without reading the ``bytes``); vLLM's code also edits the lists in place. Against
+    vLLM's own manager and ``Request``: after every kind of edit of the token list, and with
+    the last hash replaced by another or by an equal object, each call's blocks and each
+    step's events are the reference's (the event's tokens are the list's at the call)."""
     import vllm_harness as h
     from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
 
@@ -286,9 +288,20 @@ def test_events_follow_in_place_edits_of_the_token_list(seed: int) -> None:
     for _step in range(150):
         for pair in pairs:
             pick, token = rng.randrange(14), rng.randrange(1000, 60_000)
+            hash_pick, later_pick = rng.randrange(8), rng.randrange(6)
             for r in pair:
                 _edit(random.Random(token), r, pick, token)
                 r.num_computed_tokens = r.num_tokens - 1
+                if r.block_hashes and hash_pick == 0:
+                    # Another hash in place of the last one the append made.
+                    r.block_hashes[-1] = hashlib.sha256(str(token).encode()).digest()
+                elif r.block_hashes and hash_pick == 1:
+                    r.block_hashes[-1] = bytes(bytearray(r.block_hashes[-1]))  # the same value
+                # A token of the block the append just hashed, changed before the call.
+                if later_pick == 0:
+                    r._all_token_ids[-2] = token + 7
+                elif later_pick == 1:
+                    r._all_token_ids[-2] = int(str(int(r._all_token_ids[-2])))
             got = [m.allocate_slots(r, 1) for m, r in zip((ref_mgr, our_mgr), pair, strict=True)]
             assert got[1] is not None and got[0] is not None
             assert got[1].get_block_ids() == got[0].get_block_ids()

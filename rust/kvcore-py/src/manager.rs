@@ -612,10 +612,17 @@ impl Inner {
                 None => Ok(crate::pool::seq_len(fetch()?)?),
             }
         };
+        // A `kvcore.vllm.Request`'s window may hold the hash object (and its value).
+        let base = fields.plain_base();
         let mut get = |i: usize| -> Result<BlockHash, Error> {
             match mirror() {
                 Some(m) => Ok(m[i]),
-                None => Ok(crate::pool::read_seq_item(fetch()?, i, to_hash)?),
+                None => Ok(crate::pool::read_seq_item(fetch()?, i, |item| match base
+                    .and_then(|b| b.window_hash(item, i))
+                {
+                    Some(h) => Ok(h),
+                    None => to_hash(item),
+                })?),
             }
         };
         // With events on, a duck-typed request's event fields are read now when this call

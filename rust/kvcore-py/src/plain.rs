@@ -20,7 +20,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::Borrowed;
 use pyo3::{PyTraverseError, PyVisit};
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
 use crate::args::{
@@ -1516,36 +1516,45 @@ pub(crate) struct PlainState {
     window: GilRefCell<Option<TokenWindow>>,
 }
 
-/// The token objects at positions `start..` of a request's token list, as the native append
-/// ([`PlainState::append_output_token_ids`]) put them there, each held: a later call that
-/// stores the block they fill hands them to its `BlockStored` event instead of slicing the
-/// list, whose int objects, with thousands of requests, are no longer in the caches by then.
+/// The token objects at positions `start..` of a request's token list, noted by the native
+/// append ([`PlainState::append_output_token_ids`]) when its hasher hashed the blocks they
+/// fill (the items were just read then), each held: the later call that stores those blocks
+/// hands them to its `BlockStored` event instead of slicing the list, whose int objects, with
+/// thousands of requests, are no longer in the caches by then. Noted a block at a time, so
+/// that an append that completes no block writes nothing here.
 ///
 /// Only a hint: vLLM's code edits the list in place too (`del`, `extend`, `pop`), so a call
 /// uses the window only where the list's items are these very objects, compared by address.
 /// The window holds them, so no other object can have their addresses meanwhile, and ints do
 /// not change: the same addresses are the same values. Each is an exact `int` within `i64`,
 /// as the event's slice path requires.
+///
+/// It also keeps the last [`WINDOW_HASHES`] hashes the native append added to `block_hashes`
+/// (their index there, the `bytes` object, held, and its value), which a call that stores a
+/// block reads instead of the `bytes` where the list still holds that object at that index.
 struct TokenWindow {
     start: usize,
     objs: Vec<Py<PyAny>>,
+    hashes: Vec<(usize, Py<PyAny>, kvcore_core::hash::BlockHash)>,
 }
+
+/// The hashes a window keeps: a stored block's own and its parent's.
+const WINDOW_HASHES: usize = 2;
 
 /// The most tokens a window holds; an append past it starts the window again (a request whose
 /// blocks are larger is read from its list).
 const WINDOW_CAP: usize = 1024;
 
-/// The block size of the last call that stored a block of a request with a native base by
-/// slicing its list, events on (0 before any): once set, the native append makes a request's
-/// window when it has none, from the start of the block its token falls in, so that the
-/// request's next stored block is in it. A process whose managers send no events makes none.
-static WINDOW_BLOCK: AtomicUsize = AtomicUsize::new(0);
+/// Whether a call has stored a block of a request with a native base by slicing its list,
+/// events on: from then on the native append notes the blocks it hashes in the request's window
+/// (made then). A process whose managers send no events makes none.
+static WINDOWS: AtomicBool = AtomicBool::new(false);
 
 impl PlainState {
     /// Items `start..end` of `tokens` (the request's token list), taken from the window when
     /// they are its objects; the window then keeps what follows `end`. `None` when the window
     /// does not cover the range or the list holds other objects there (the caller slices the
-    /// list, then [`Self::restart_window`]). Runs no Python code.
+    /// list, then [`Self::want_windows`]). Runs no Python code.
     pub(crate) fn take_window(
         &self,
         tokens: &Bound<'_, PyList>,
@@ -1566,75 +1575,77 @@ impl PlainState {
         Some(rest)
     }
 
-    /// After a call that stored blocks of `block` tokens of `tokens`, up to `end`, by slicing
-    /// the list: the window starts at `end`, with the list's items after it when they are exact
-    /// ints within `i64` (else empty, at the list's end, for the appends to come). Made on
-    /// first use; from then on the native append makes the windows of requests that have none
-    /// ([`WINDOW_BLOCK`]).
-    pub(crate) fn restart_window(&self, tokens: &Bound<'_, PyList>, end: usize, block: usize) {
-        let py = tokens.py();
-        if block > 0 {
-            WINDOW_BLOCK.store(block, Ordering::Relaxed);
-        }
-        let Some(mut cell) = self.window.try_borrow(py) else {
+    /// The value of `item`, item `i` of the request's `block_hashes`, when the window keeps
+    /// that very object at that index (else `None`: the caller reads the `bytes`). Runs no
+    /// Python code.
+    #[inline]
+    pub(crate) fn window_hash(
+        &self,
+        item: &Bound<'_, PyAny>,
+        i: usize,
+    ) -> Option<kvcore_core::hash::BlockHash> {
+        let cell = self.window.try_borrow(item.py())?;
+        let w = cell.as_ref()?;
+        w.hashes
+            .iter()
+            .find(|(at, obj, _)| *at == i && obj.as_ptr() == item.as_ptr())
+            .map(|&(_, _, h)| h)
+    }
+
+    /// Notes in the window (when there is one) the hashes `new` (a list), just appended to
+    /// `block_hashes` from index `at`: each exact `bytes` that is a valid hash, the last
+    /// [`WINDOW_HASHES`] kept.
+    fn window_note_hashes(&self, new: &Bound<'_, PyAny>, at: usize) {
+        let Ok(new) = new.downcast_exact::<PyList>() else {
             return;
         };
-        let len = list_len(tokens);
-        let w = cell.get_or_insert_with(|| TokenWindow {
-            start: len,
-            objs: Vec::new(),
-        });
-        w.objs.clear();
-        w.start = len;
-        if end < len && len - end <= WINDOW_CAP && crate::args::all_exact_i64s(tokens, end, len) {
-            w.start = end;
-            w.objs
-                .extend((end..len).filter_map(|i| tokens.get_item(i).ok().map(Bound::unbind)));
+        let Some(mut cell) = self.window.try_borrow(new.py()) else {
+            return;
+        };
+        let Some(w) = cell.as_mut() else {
+            return;
+        };
+        for (j, item) in new.iter().enumerate() {
+            let Ok(b) = item.downcast_exact::<pyo3::types::PyBytes>() else {
+                continue;
+            };
+            let Some(h) = kvcore_core::hash::BlockHash::from_slice(b.as_bytes()) else {
+                continue;
+            };
+            if w.hashes.len() >= WINDOW_HASHES {
+                w.hashes.remove(0);
+            }
+            w.hashes.push((at + j, item.unbind(), h));
         }
     }
 
-    /// Notes the items of `tokens` from `at` on, just appended, in the window: pushed when the
-    /// window ends at `at`, else the window starts again with them. An item that is not an
-    /// exact int within `i64` starts it after that item. A request without a window gets one
-    /// once some call has wanted one ([`WINDOW_BLOCK`]), from the start of `at`'s block.
-    /// `token`, when given, is the one item appended (pushed as it is, when the window ends at
-    /// `at`, without reading the list again).
-    fn window_note(&self, tokens: &Bound<'_, PyList>, at: usize, token: Option<&Bound<'_, PyAny>>) {
+    /// After a call that stored blocks by slicing the request's token list: from now on the
+    /// native append notes the blocks it hashes ([`WINDOWS`]).
+    pub(crate) fn want_windows() {
+        WINDOWS.store(true, Ordering::Relaxed);
+    }
+
+    /// Notes items `from..to` of `tokens` (the blocks the native append's hasher just hashed)
+    /// in the window, made now once windows are wanted ([`WINDOWS`]): pushed when the window
+    /// ends at `from`, else the window starts again at `from`. An item that is not an exact int
+    /// within `i64` starts it after that item.
+    fn window_note(&self, tokens: &Bound<'_, PyList>, from: usize, to: usize) {
+        if !WINDOWS.load(Ordering::Relaxed) || to.saturating_sub(from) > WINDOW_CAP {
+            return;
+        }
         let Some(mut cell) = self.window.try_borrow(tokens.py()) else {
             return;
         };
-        if let (Some(w), Some(token)) = (cell.as_mut(), token) {
-            if w.start + w.objs.len() == at && w.objs.len() < WINDOW_CAP {
-                if crate::args::exact_i64(token).is_some() {
-                    w.objs.push(token.clone().unbind());
-                } else {
-                    w.objs.clear();
-                    w.start = at + 1;
-                }
-                return;
-            }
-        }
-        let len = list_len(tokens);
-        let mut from = at;
-        let w = match cell.as_mut() {
-            Some(w) => w,
-            None => {
-                let block = WINDOW_BLOCK.load(Ordering::Relaxed);
-                if block == 0 || block > WINDOW_CAP {
-                    return;
-                }
-                from = at - at % block;
-                cell.insert(TokenWindow {
-                    start: from,
-                    objs: Vec::new(),
-                })
-            }
-        };
-        if w.start + w.objs.len() != from || w.objs.len() + len.saturating_sub(from) > WINDOW_CAP {
+        let w = cell.get_or_insert_with(|| TokenWindow {
+            start: from,
+            objs: Vec::new(),
+            hashes: Vec::new(),
+        });
+        if w.start + w.objs.len() != from || w.objs.len() + (to - from) > WINDOW_CAP {
             w.objs.clear();
             w.start = from;
         }
-        for i in from..len {
+        for i in from..to.min(list_len(tokens)) {
             let Ok(item) = tokens.get_item(i) else {
                 break;
             };
@@ -1764,26 +1775,18 @@ impl PlainState {
         let read = |i: usize| served.read(slf, i);
         if token_ids.is_instance_of::<pyo3::types::PyInt>() {
             list_append(&read(OUTPUT)?, token_ids)?;
-            let all = read(ALL)?;
-            list_append(&all, token_ids)?;
-            if let Ok(list) = all.downcast_exact::<PyList>() {
-                slf.get()
-                    .window_note(list, list_len(list) - 1, Some(token_ids));
-            }
+            list_append(&read(ALL)?, token_ids)?;
         } else {
             read(OUTPUT)?.call_method1(intern!(py, "extend"), (token_ids,))?;
-            let all = read(ALL)?;
-            let before = all.downcast_exact::<PyList>().map(list_len);
-            all.call_method1(intern!(py, "extend"), (token_ids,))?;
-            if let (Ok(list), Ok(at)) = (all.downcast_exact::<PyList>(), before) {
-                slf.get().window_note(list, at, None);
-            }
+            read(ALL)?.call_method1(intern!(py, "extend"), (token_ids,))?;
         }
         let hasher = read(HASHER)?;
         if hasher.is_none() {
             return Ok(());
         }
         let hashes = read(HASHES)?;
+        // The tokens kvcore's own hasher is about to hash: noted in the window after it.
+        let mut hashed = None;
         if let Ok(native) = hasher.downcast_exact::<crate::hashing::PyRequestBlockHasher>() {
             // What that hasher reads: the hash list's length and `num_tokens` (this class's
             // is the token list's length).
@@ -1791,13 +1794,21 @@ impl PlainState {
                 hashes.downcast_exact::<PyList>(),
                 read(ALL)?.downcast_into_exact::<PyList>(),
             ) {
-                if native.get().window(list.len(), tokens.len()).is_none() {
-                    return Ok(());
+                match native.get().window(list.len(), tokens.len()) {
+                    None => return Ok(()),
+                    Some(range) => hashed = Some((tokens, range)),
                 }
             }
         }
         let new = hasher.call1((slf,))?;
-        hashes.call_method1(intern!(py, "extend"), (new,))?;
+        let at = hashes.downcast_exact::<PyList>().map(list_len);
+        hashes.call_method1(intern!(py, "extend"), (&new,))?;
+        if let Some((tokens, (from, to))) = hashed {
+            slf.get().window_note(&tokens, from, to);
+        }
+        if let Ok(at) = at {
+            slf.get().window_note_hashes(&new, at);
+        }
         Ok(())
     }
 }

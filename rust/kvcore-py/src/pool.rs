@@ -236,9 +236,8 @@ pub(crate) fn tokens_only_meta(
         let ids: Vec<i64> = slice.extract()?;
         return Ok(tokens_meta(ids.into(), req));
     }
-    if let Some(b) = base {
-        let block = req.block_ranges.first().map_or(0, |&(s, e)| e - s);
-        b.restart_window(tokens, end, block);
+    if base.is_some() {
+        crate::plain::PlainState::want_windows();
     }
     Ok(tokens_meta(
         TokenIds::Carried(Carried::new(slice.unbind())),
