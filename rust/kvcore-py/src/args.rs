@@ -342,6 +342,19 @@ pub fn list_items_are(list: &Bound<'_, PyList>, start: usize, objs: &[Py<PyAny>]
     })
 }
 
+/// Prefetches the line where `list`'s next item goes (its item array's end, where an append
+/// writes), when lists have 3.11's layout; reads the list's header, nothing past it.
+#[inline]
+pub fn prefetch_list_tail(list: &Bound<'_, PyList>) {
+    if LISTS_ARE_311.load(Ordering::Relaxed) {
+        #[allow(unsafe_code)]
+        // SAFETY: the GIL is held and lists have 3.11's layout (`LISTS_ARE_311`, probed): the
+        // word read is `ob_item`. The address is only prefetched, never read.
+        let items = unsafe { list_items_311(list.as_ptr()) };
+        kvcore_core::prefetch::prefetch_line(items.wrapping_add(list_len(list)));
+    }
+}
+
 /// Whether [`each_exact_i64`] reads a list's items from its item array ([`list_items_311`]): set at
 /// module import by [`probe_ints`].
 static LISTS_ARE_311: AtomicBool = AtomicBool::new(false);

@@ -1774,8 +1774,18 @@ impl PlainState {
         }
         let read = |i: usize| served.read(slf, i);
         if token_ids.is_instance_of::<pyo3::types::PyInt>() {
-            list_append(&read(OUTPUT)?, token_ids)?;
-            list_append(&read(ALL)?, token_ids)?;
+            // With thousands of requests, the lists have left the caches since the last step:
+            // their headers are fetched together, then both lists' ends, instead of each
+            // read waiting for the one before.
+            served.prefetch_lists(slf);
+            let (output, all) = (read(OUTPUT)?, read(ALL)?);
+            for list in [&output, &all] {
+                if let Ok(list) = list.downcast_exact::<PyList>() {
+                    crate::args::prefetch_list_tail(list);
+                }
+            }
+            list_append(&output, token_ids)?;
+            list_append(&all, token_ids)?;
         } else {
             read(OUTPUT)?.call_method1(intern!(py, "extend"), (token_ids,))?;
             read(ALL)?.call_method1(intern!(py, "extend"), (token_ids,))?;
@@ -1825,6 +1835,24 @@ struct ServedAppend {
 }
 
 impl ServedAppend {
+    /// Prefetches the headers of the lists a served request keeps in slots (the two token
+    /// lists and the hash list): a hint only.
+    #[inline]
+    fn prefetch_lists(&self, request: &Bound<'_, PlainState>) {
+        for i in [OUTPUT, ALL, HASHES] {
+            if let Some(offset) = self.slots[i] {
+                #[allow(unsafe_code)]
+                // SAFETY: `offset` is a slot offset of the served class, `request`'s exact
+                // class (the caller's check); the value is only prefetched.
+                if let Some(v) = unsafe { Slots::get(request.as_any(), offset) } {
+                    let header = v.as_ptr().cast::<u8>();
+                    kvcore_core::prefetch::prefetch_line(header);
+                    kvcore_core::prefetch::prefetch_line(header.wrapping_add(39));
+                }
+            }
+        }
+    }
+
     /// The attribute [`APPEND_FIELDS`]`[i]` of `request`, an instance of the served class:
     /// from its slot where the class keeps it in one, else (or while the slot is unset) by
     /// attribute lookup, which raises what vLLM's method would.
