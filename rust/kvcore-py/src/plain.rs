@@ -308,7 +308,7 @@ static DICT_HINTS: DictHints = DictHints {
 };
 
 /// CPython 3.11's dict layout (`Include/cpython/dictobject.h`, `Include/internal/pycore_dict.h`):
-/// the byte offsets [`dict_entry`] reads.
+/// the byte offsets [`dict_get`] reads.
 mod layout {
     /// `PyDictObject.ma_keys`.
     pub(super) const MA_KEYS: usize = 32;
@@ -457,7 +457,7 @@ unsafe fn managed_dict(obj: *mut pyo3::ffi::PyObject) -> *mut pyo3::ffi::PyObjec
 }
 
 /// Whether this interpreter's dicts have CPython 3.11's layout: the version, and entries
-/// read by [`dict_entry`] from a probe dict of each kind (a class's instance dict, whose keys
+/// read by [`dict_get`] from a probe dict of each kind (a class's instance dict, whose keys
 /// are shared, and a dict with keys of its own) that match its lookups.
 fn dicts_are_311(py: Python<'_>) -> bool {
     static CHECKED: GILOnceCell<bool> = GILOnceCell::new();
@@ -1491,9 +1491,9 @@ impl<'a, 'py> Fields<'a, 'py> {
 /// request shared by managers is answered right. It takes and ignores any constructor
 /// arguments (its subclass's `__init__` reads them).
 ///
-/// It also holds the request's token window ([`TokenWindow`]): the token objects the native
-/// append added since the last block a call with events stored, which the call that stores
-/// the next block hands to its event where the list still holds them.
+/// It also holds the request's token window ([`TokenWindow`]): the token objects of the block
+/// the native append's hasher hashed last, and its last hashes, which the call that stores
+/// that block takes where the lists still hold those objects.
 ///
 /// Laid out in declaration order (`repr(C)`) and kept small (136 bytes with the object's
 /// header), so that what a decode call reads of the request (the cell's flag, the id, the
@@ -1511,8 +1511,8 @@ pub(crate) struct PlainState {
     /// groups: made by the first such call (out of line, so that one group's calls read the
     /// fewest lines).
     hints: OnceLock<Box<[kvcore_core::tables::HintCell; INLINE_HINTS]>>,
-    /// The token ids appended since the last block a call with events stored
-    /// ([`TokenWindow`]); made by that call, so a request no such call saw keeps none.
+    /// The objects of the blocks the native append hashed last ([`TokenWindow`]); made by
+    /// the append once windows are wanted ([`WINDOWS`]), so without events there is none.
     window: GilRefCell<Option<TokenWindow>>,
 }
 
