@@ -1541,9 +1541,10 @@ struct TokenWindow {
 /// The hashes a window keeps: a stored block's own and its parent's.
 const WINDOW_HASHES: usize = 2;
 
-/// The most tokens a window holds; an append past it starts the window again (a request whose
-/// blocks are larger is read from its list).
-const WINDOW_CAP: usize = 1024;
+/// The most tokens a window holds; a block past it starts the window again (a request whose
+/// blocks are larger is read from its list). A request whose calls never take the window (its
+/// events need more than tokens) holds this many references at most.
+const WINDOW_CAP: usize = 256;
 
 /// Whether a call has stored a block of a request with a native base by slicing its list,
 /// events on: from then on the native append notes the blocks it hashes in the request's window
