@@ -253,7 +253,6 @@ def test_events_follow_in_place_edits_of_the_token_list(seed: int) -> None:
     the last hash replaced by another or by an equal object, each call's blocks and each
     step's events are the reference's (the event's tokens are the list's at the call)."""
     import vllm_harness as h
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
 
     kv_cache_utils.init_none_hash(vllm_hashing.sha256)
     rng = random.Random(seed)
@@ -264,8 +263,7 @@ def test_events_follow_in_place_edits_of_the_token_list(seed: int) -> None:
         "hash_block_size": BLOCK,
         "enable_kv_cache_events": True,
     }
-    ref_mgr = VllmManager(h.kv_cache_config(setup), **kwargs)
-    our_mgr = kvcore.vllm.KVCacheManager(h.kv_cache_config(setup), **kwargs)
+    ref_mgr, our_mgr = h.manager_pair(setup, **kwargs)
     ref_hasher = kv_cache_utils.get_request_block_hasher(BLOCK, vllm_hashing.sha256)
     our_hasher = kvcore.vllm.get_request_block_hasher(BLOCK, vllm_hashing.sha256)
     pairs: list[tuple[VllmRequest, kvcore.vllm.Request]] = []

@@ -259,8 +259,7 @@ def test_instance_attributes_match_vllm() -> None:
         "log_stats": True,
         "enable_kv_cache_events": True,
     }
-    ref = VllmKVCacheManager(h.kv_cache_config(setup), **args)
-    ours = kvcore.vllm.KVCacheManager(h.kv_cache_config(setup), **args)
+    ref, ours = h.manager_pair(setup, **args)
     public = {n for n in vars(ref) if not n.startswith("_")}
     missing = sorted(n for n in public if not hasattr(ours, n))
     assert not missing

@@ -125,6 +125,17 @@ def kv_cache_config(s: Setup) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=s.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
+def manager_pair(s: Setup, **kwargs: Any) -> tuple[Any, Any]:
+    """vLLM's ``KVCacheManager`` and ``kvcore.vllm.KVCacheManager`` over the setup's groups,
+    built from the same arguments."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    import kvcore.vllm
+
+    ref = KVCacheManager(kv_cache_config(s), **kwargs)
+    return ref, kvcore.vllm.KVCacheManager(kv_cache_config(s), **kwargs)
+
+
 def vllm_config(s: Setup) -> VllmConfig:
     """A CPU ``VllmConfig`` over the tiny local model."""
     model = ModelConfig(

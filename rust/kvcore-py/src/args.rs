@@ -266,46 +266,20 @@ fn each_exact_i64(
     end: usize,
     mut f: impl FnMut(i64),
 ) -> bool {
-    if start > end || end > list_len(list) {
-        return false;
-    }
     let py = list.py();
-    if LISTS_ARE_311.load(Ordering::Relaxed) {
+    each_item(list, start, end, |_, item| {
         #[allow(unsafe_code)]
-        // SAFETY: the GIL is held and lists have 3.11's layout (`LISTS_ARE_311`, probed):
-        // `ob_item` points at the list's `len(list)` item pointers, each a reference the list
-        // owns, and `start <= end <= len(list)`. Nothing in this loop runs Python code or
-        // releases the GIL (`exact_i64` only reads an exact int's digits, `f` takes an
-        // `i64`), so the list cannot change or drop an item while it is borrowed, and the
-        // borrow ends with the iteration.
-        unsafe {
-            let items = list_items_311(list.as_ptr());
-            for i in start..end {
-                match exact_i64(&pyo3::Borrowed::from_ptr(py, *items.add(i))) {
-                    Some(v) => f(v),
-                    None => return false,
-                }
-            }
-        }
-        return true;
-    }
-    for i in start..end {
-        #[allow(unsafe_code)]
-        // SAFETY: the GIL is held and `i < end <= len(list)`: `PyList_GetItem` returns the
-        // list's own (borrowed) reference to item `i` without setting an error. Nothing in
-        // this loop runs Python code or releases the GIL (as above), so the list cannot
-        // shrink or drop the item while it is borrowed, and the borrow ends with the
-        // iteration.
-        let item = unsafe {
-            let ptr = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
-            pyo3::Borrowed::from_ptr(py, ptr)
-        };
+        // SAFETY: `item` is the list's own reference, valid while this closure runs no Python
+        // code: `exact_i64` only reads an exact int's digits and `f` takes an `i64`.
+        let item = unsafe { pyo3::Borrowed::from_ptr(py, item) };
         match exact_i64(&item) {
-            Some(v) => f(v),
-            None => return false,
+            Some(v) => {
+                f(v);
+                true
+            }
+            None => false,
         }
-    }
-    true
+    })
 }
 
 /// Whether items `start..start + objs.len()` of `list` are the objects `objs` themselves
@@ -314,31 +288,41 @@ pub fn list_items_are(list: &Bound<'_, PyList>, start: usize, objs: &[Py<PyAny>]
     let Some(end) = start.checked_add(objs.len()) else {
         return false;
     };
-    if end > list_len(list) {
+    each_item(list, start, end, |i, item| item == objs[i - start].as_ptr())
+}
+
+/// Calls `f` with the index and item pointer of items `start..end` of `list`, in order, while
+/// it returns `true`; `false` when the range is past the list's end or once `f` returns
+/// `false`. Each pointer is the list's own (borrowed) reference, valid while `f` runs no
+/// Python code: read from the item array where lists have 3.11's layout, else by
+/// `PyList_GetItem`.
+#[inline(always)]
+fn each_item(
+    list: &Bound<'_, PyList>,
+    start: usize,
+    end: usize,
+    mut f: impl FnMut(usize, *mut pyo3::ffi::PyObject) -> bool,
+) -> bool {
+    if start > end || end > list_len(list) {
         return false;
     }
     if LISTS_ARE_311.load(Ordering::Relaxed) {
         #[allow(unsafe_code)]
         // SAFETY: the GIL is held and lists have 3.11's layout (`LISTS_ARE_311`, probed):
-        // `ob_item` points at the list's `len(list)` item pointers and `end <= len(list)`.
-        // Only the pointers are read; nothing runs Python code meanwhile.
-        unsafe {
-            let items = list_items_311(list.as_ptr()).add(start);
-            return objs
-                .iter()
-                .enumerate()
-                .all(|(i, o)| *items.add(i) == o.as_ptr());
-        }
-    }
-    objs.iter().enumerate().all(|(i, o)| {
+        // `ob_item` points at the list's `len(list)` item pointers, each a reference the list
+        // owns, and `start <= end <= len(list)`. The list is not changed meanwhile: `f` runs no
+        // Python code (its contract).
+        let items = unsafe { list_items_311(list.as_ptr()) };
         #[allow(unsafe_code)]
-        // SAFETY: the GIL is held and `start + i < end <= len(list)`: `PyList_GetItem`
-        // returns the list's own (borrowed) reference without setting an error; only its
-        // address is compared.
-        let item = unsafe {
-            pyo3::ffi::PyList_GetItem(list.as_ptr(), (start + i) as pyo3::ffi::Py_ssize_t)
-        };
-        item == o.as_ptr()
+        // SAFETY: as above, `i < end <= len(list)`.
+        return (start..end).all(|i| f(i, unsafe { *items.add(i) }));
+    }
+    (start..end).all(|i| {
+        #[allow(unsafe_code)]
+        // SAFETY: the GIL is held and `i < end <= len(list)`: `PyList_GetItem` returns the
+        // list's own (borrowed) reference to item `i` without setting an error.
+        let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t) };
+        f(i, item)
     })
 }
 
