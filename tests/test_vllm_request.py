@@ -114,6 +114,43 @@ def test_append_matches_vllms(kind: str, seed: int) -> None:
         assert len(ref.block_hashes) == ref.num_tokens // BLOCK
 
 
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens"), [(100, 1000), (101, 1000), (100, 30), (16, 500), (7, 500), (0, 9)]
+)
+def test_token_list_has_room_for_decode(prompt: int, max_tokens: int) -> None:
+    """The constructor is vLLM's (same signature, same attributes) and leaves room in
+    ``_all_token_ids`` for ``min(max_tokens, prompt - 3)`` appends when the prompt has 16 tokens
+    or more: the list's allocation does not grow until then, where vLLM's does, and it holds
+    what vLLM's holds all along."""
+    import inspect
+    import sys
+
+    assert inspect.signature(kvcore.vllm.Request) == inspect.signature(VllmRequest)
+    made = [
+        cls("r", list(range(prompt)), SamplingParams(max_tokens=max_tokens), None)
+        for cls in (VllmRequest, kvcore.vllm.Request)
+    ]
+    ref, ours = made
+    assert list(ours.all_token_ids) == list(ref.all_token_ids)
+    assert ours.max_tokens == ref.max_tokens
+    assert ours.all_token_ids._x is ours._all_token_ids  # vLLM's view of the same list
+    room = min(max_tokens, prompt - 3) if prompt >= 16 else 0
+    size = sys.getsizeof(ours._all_token_ids)
+    ref_sizes = {sys.getsizeof(ref._all_token_ids)}
+    for i in range(room):
+        for r in made:
+            r.append_output_token_ids(1000 + i)
+        assert sys.getsizeof(ours._all_token_ids) == size
+        ref_sizes.add(sys.getsizeof(ref._all_token_ids))
+        assert _state(ours) == _state(ref)
+    if room > 8:
+        assert len(ref_sizes) > 1  # vLLM's list grew meanwhile: the room is kvcore's
+    for i in range(20):
+        for r in made:
+            r.append_output_token_ids(i)
+    assert _state(ours) == _state(ref)
+
+
 def test_append_by_keyword_and_errors_as_vllms() -> None:
     """The keyword form works; a bad argument, a hasher that raises and a replaced list give
     vLLM's exception and vLLM's state."""

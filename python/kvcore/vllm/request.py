@@ -21,12 +21,24 @@ natively by the base: the same list appends or extends in the same order, then
 request has no new full block (it would return no hashes). A subclass gets vLLM's Python
 method.
 
+Its constructor is vLLM's, after which it reserves room in ``_all_token_ids`` for
+``min(max_tokens, len(_all_token_ids) - 3)`` more tokens (the list's items stay the same): each
+of a request's first decode appends then writes into room the list already has, where vLLM's
+list grows by an eighth at a time and copies itself to new memory every few dozen appends.
+CPython keeps a list's room when it shrinks to no less than half of it (its room is a multiple
+of four, hence the 3), so the room is made by extending the list and deleting the extension;
+where it does not keep it (a short prompt), nothing changes but the room.
+
 When kvcore's scheduler class is built, kvcore's ``vllm.general_plugins`` entry point has vLLM's
 engine build its requests as this class (:mod:`kvcore.vllm.plugin`). A plain
 ``vllm.v1.request.Request`` still works everywhere, read from its instance dict.
 """
 
 from __future__ import annotations
+
+import functools
+from itertools import repeat
+from typing import Any
 
 from vllm.v1.request import Request as VllmRequest
 
@@ -52,6 +64,17 @@ class Request(VllmRequest, PlainRequestBase):  # type: ignore[misc]
         "prompt_embeds",
         "request_id",
     )
+
+    # vLLM's signature for `inspect`.
+    @functools.wraps(VllmRequest.__init__)  # type: ignore[misc]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        tokens = self._all_token_ids
+        n = len(tokens)
+        room = min(self.max_tokens, n - 3)
+        if room > 0:
+            tokens.extend(repeat(0, room))
+            del tokens[n:]
 
     append_output_token_ids = PlainRequestBase.append_output_token_ids
 
