@@ -39,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -341,9 +342,10 @@ def test_bench_vllm_request_decode(
     requests arrive over time among the engine's other allocations, and the running list is
     reordered by finishes and preemptions: ``shuffled`` calls them in a fixed random order.
 
-    Between steps every request gets its token (``append_output_token_ids``). ``alone`` runs
-    each kind of request by itself, so that each step's calls follow that kind's own appends:
-    vLLM's (Python, over the request's lists and hash list) touch more memory than kvcore's
+    Between steps every request gets its token (``append_output_token_ids``), a new int object
+    each, as the sampler's ``tolist()`` makes them. ``alone`` runs each kind of request by
+    itself, so that each step's calls follow that kind's own appends, made in the calls' order
+    as vLLM's ``update_from_output`` follows the order ``schedule()`` scheduled in: vLLM's (Python, over the request's lists and hash list) touch more memory than kvcore's
     native one, and with thousands of requests push more of the manager's tables out of the
     caches. ``shared`` makes the three kinds together (interleaved, as a server's allocations
     are) and appends to all of them every step in that interleaved order, calling the manager
@@ -406,6 +408,8 @@ def test_bench_vllm_request_decode(
         reqs = sets[kind]
         if order == "shuffled":
             random.Random(0).shuffle(reqs)
+        # Alone, the appends follow the calls, as a scheduler's update follows its schedule.
+        appended = reqs if work == "alone" else everyone
         for r in reqs:
             hits, n = mgr.get_computed_blocks(r)
             assert mgr.allocate_slots(r, r.num_tokens - n, n, hits) is not None
@@ -416,16 +420,20 @@ def test_bench_vllm_request_decode(
         gc.collect()
         in_allocate = in_append = 0.0
         for s in range(steps):
+            # The step's sampled tokens, new int objects as the sampler's `tolist()` makes them
+            # (ids from 256 up are not CPython's shared small ints).
+            sampled = [1000 + (i * 7919 + s * 104729) % 60000 for i in range(len(everyone))]
             start = time.perf_counter()
             for r in reqs:
                 allocate(r, 1)
             in_allocate += time.perf_counter() - start
             if work != "none":
                 start = time.perf_counter()
-                for r in everyone:
+                for r, token in zip(appended, sampled, strict=True):
                     r.num_computed_tokens += 1
-                    r.append_output_token_ids(s)
+                    r.append_output_token_ids(token)
                 in_append += time.perf_counter() - start
+            del sampled
             mgr.take_events()
         per_request = 1e6 / (steps * len(everyone))
         return in_allocate / (steps * running) * 1e6, in_append * per_request
@@ -461,13 +469,32 @@ def test_bench_vllm_request_decode(
             f"({rv:.2f}x) / kvcore.vllm.Request {e:.3f} ({re_:.2f}x) / kvcore Request {k:.3f}"
         )
     if work == "alone":
-        # Each kind's own appends (under `shared` every round appends to all three kinds).
+        # Each kind's own appends (under `shared` every round appends to all three kinds), and
+        # each kind's append and call together: what a step spends on a decoding request.
         a = {n: statistics.median(appends[n]) for n in kinds}
+
+        def round_ratios(kind: str, of: Callable[[str, int], float]) -> float:
+            return statistics.median(of(kind, i) / of("kvcore", i) for i in range(rounds))
+
+        def appended(n: str, i: int) -> float:
+            return appends[n][i]
+
+        def both(n: str, i: int) -> float:
+            return appends[n][i] + results[n][i]
+
+        ra = {n: round_ratios(n, appended) for n in ("vllm", "engine")}
+        rb = {n: round_ratios(n, both) for n in ("vllm", "engine")}
         for n in kinds:
             benchmark.extra_info[f"{n}_append_us"] = a[n]
+        for n in ("vllm", "engine"):
+            benchmark.extra_info[f"{n}_append_ratio"] = ra[n]
+            benchmark.extra_info[f"{n}_step_ratio"] = rb[n]
         with capsys.disabled():
             print(
                 f"num_computed_tokens += 1 and append_output_token_ids, µs per request (median "
-                f"of {rounds}): vLLM Request {a['vllm']:.3f} / kvcore.vllm.Request "
-                f"{a['engine']:.3f} / kvcore Request {a['kvcore']:.3f}"
+                f"of {rounds}; median ratio of {rounds} rounds): vLLM Request {a['vllm']:.3f} "
+                f"({ra['vllm']:.2f}x) / kvcore.vllm.Request {a['engine']:.3f} "
+                f"({ra['engine']:.2f}x) / kvcore Request {a['kvcore']:.3f}; append and call "
+                f"together (median ratio of {rounds} rounds): vLLM Request {rb['vllm']:.2f}x / "
+                f"kvcore.vllm.Request {rb['engine']:.2f}x"
             )

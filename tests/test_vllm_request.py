@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -228,6 +230,55 @@ def test_append_reads_its_fields_as_attribute_lookup_does() -> None:
         assert _state(ours) == _state(ref)
     for _, ours in pairs:
         assert len(ours.block_hashes) == ours.num_tokens // BLOCK
+
+
+def test_appends_in_changing_orders_with_requests_freed_between() -> None:
+    """The native append links each request to the one it served next, for prefetching only:
+    requests appended in changing orders (a step's order, then another), some freed mid-step
+    (the last one appended among them) and others made, each hold what vLLM's hold, and a
+    freed request is gone at once (the link holds no reference)."""
+    kv_cache_utils.init_none_hash(vllm_hashing.sha256)
+    rng = random.Random(0)
+    pairs = [_pair("kvcore")[:2] for _ in range(8)]
+    for step in range(60):
+        order = list(range(len(pairs)))
+        if step % 3:
+            rng.shuffle(order)
+        for n, i in enumerate(order):
+            token = rng.randrange(50_000)
+            pairs[i][0].append_output_token_ids(token)
+            pairs[i][1].append_output_token_ids(token)
+            if n == len(order) // 2 and step % 4 == 1:
+                pairs.append(_pair("kvcore")[:2])  # joins mid-step, appended next step
+        assert all(_state(ours) == _state(ref) for ref, ours in pairs)
+        if step % 2 and len(pairs) > 4:
+            _, ours = pairs.pop(order[-1] if step % 4 == 1 else rng.randrange(len(pairs)))
+            gone = weakref.ref(ours)
+            del ours
+            assert gone() is None
+
+
+def test_a_request_freed_after_its_append_is_not_written_to() -> None:
+    """The append that follows a freed request's does not write into the memory it had: here
+    bytes objects of its size, made right after it was freed (CPython's allocator hands its
+    block to the next object of that size), keep their contents."""
+    first, last = (
+        kvcore.vllm.Request(f"r{i}", list(range(20)), SamplingParams(max_tokens=9), None)
+        for i in range(2)
+    )
+    first.append_output_token_ids(1)
+    last.append_output_token_ids(1)  # the last request the append served
+    size = sys.getsizeof(last)
+    gone = weakref.ref(last)
+    del last
+    assert gone() is None
+    # Objects of the freed request's size class (its object, managed dict pointers and GC
+    # header): one of them takes its block.
+    fill = size - sys.getsizeof(b"")
+    made = [bytes([0xAB]) * fill for _ in range(512)]
+    first.append_output_token_ids(2)
+    assert all(b == bytes([0xAB]) * fill for b in made)
+    assert first.all_token_ids[-2:] == [1, 2]
 
 
 def test_a_subclass_gets_vllms_method() -> None:

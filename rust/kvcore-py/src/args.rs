@@ -330,12 +330,21 @@ fn each_item(
 /// writes), when lists have 3.11's layout; reads the list's header, nothing past it.
 #[inline]
 pub fn prefetch_list_tail(list: &Bound<'_, PyList>) {
+    kvcore_core::prefetch::prefetch_line(list_end_addr(list) as *const u8);
+}
+
+/// The address where `list`'s next item goes (its item array's end), when lists have 3.11's
+/// layout, else 0; reads the list's header, nothing past it. For prefetching only.
+#[inline]
+pub fn list_end_addr(list: &Bound<'_, PyList>) -> usize {
     if LISTS_ARE_311.load(Ordering::Relaxed) {
         #[allow(unsafe_code)]
         // SAFETY: the GIL is held and lists have 3.11's layout (`LISTS_ARE_311`, probed): the
         // word read is `ob_item`. The address is only prefetched, never read.
         let items = unsafe { list_items_311(list.as_ptr()) };
-        kvcore_core::prefetch::prefetch_line(items.wrapping_add(list_len(list)));
+        items.wrapping_add(list_len(list)) as usize
+    } else {
+        0
     }
 }
 

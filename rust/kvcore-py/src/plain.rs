@@ -20,7 +20,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::Borrowed;
 use pyo3::{PyTraverseError, PyVisit};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use crate::args::{
@@ -1495,11 +1495,15 @@ impl<'a, 'py> Fields<'a, 'py> {
 /// the native append's hasher hashed last, and its last hashes, which the call that stores
 /// that block takes where the lists still hold those objects.
 ///
-/// Laid out in declaration order (`repr(C)`) and kept small (136 bytes with the object's
-/// header), so that what a decode call reads of the request (the cell's flag, the id, the
-/// token list, the key, the first group's hint, then the subclass's slots right after the
-/// base) spans two or three cache lines: the lines of its slots and its reference count,
-/// which the scheduler's own code reads and writes every step, hold most of it.
+/// And it holds where the request the native append served after this one last time keeps what
+/// that append reads ([`PlainState::chain`]), which this one's next append prefetches.
+///
+/// Laid out in declaration order (`repr(C)`) and kept small (160 bytes with the object's
+/// header: the window is out of line), so that what a decode call reads of the request (the
+/// cell's flag, the id, the token list, the key, the first group's hint, then the subclass's
+/// slots right after the base) spans few cache lines: the lines of its slots and its
+/// reference count, which the scheduler's own code reads and writes every step, hold most of
+/// it.
 #[pyclass(module = "kvcore._native", name = "PlainRequestBase", subclass, frozen)]
 #[repr(C)]
 pub(crate) struct PlainState {
@@ -1513,8 +1517,24 @@ pub(crate) struct PlainState {
     hints: OnceLock<Box<[kvcore_core::tables::HintCell; INLINE_HINTS]>>,
     /// The objects of the blocks the native append hashed last ([`TokenWindow`]); made by
     /// the append once windows are wanted ([`WINDOWS`]), so without events there is none.
-    window: GilRefCell<Option<TokenWindow>>,
+    /// Boxed: read and written at a block's end only.
+    window: GilRefCell<Option<Box<TokenWindow>>>,
+    /// The addresses [`PlainState::chain`] noted here: what the native append read of the
+    /// request it served right after this one, last time. Only ever prefetched.
+    next: [AtomicUsize; NEXT_LINES],
 }
+
+// The size the docs give (160 bytes with the object's 16-byte header).
+const _: () = assert!(std::mem::size_of::<PlainState>() == 144);
+
+/// The addresses a [`PlainState`] keeps of its successor's ([`PlainState::chain`]): the object,
+/// the headers of its two token lists and its hash list, and both token lists' ends.
+const NEXT_LINES: usize = 6;
+
+/// The address of the [`PlainState`] of the request the native append served last (0: none).
+/// Written by the append ([`PlainState::chain`]) and cleared by that base's `Drop`, both with
+/// the GIL held; see [`PlainState::chain`] for why the address is always a live base.
+static LAST_APPENDED: AtomicUsize = AtomicUsize::new(0);
 
 /// The token objects at positions `start..` of a request's token list, noted by the native
 /// append ([`PlainState::append_output_token_ids`]) when its hasher hashed the blocks they
@@ -1637,10 +1657,12 @@ impl PlainState {
         let Some(mut cell) = self.window.try_borrow(tokens.py()) else {
             return;
         };
-        let w = cell.get_or_insert_with(|| TokenWindow {
-            start: from,
-            objs: Vec::new(),
-            hashes: Vec::new(),
+        let w = cell.get_or_insert_with(|| {
+            Box::new(TokenWindow {
+                start: from,
+                objs: Vec::new(),
+                hashes: Vec::new(),
+            })
         });
         if w.start + w.objs.len() != from || w.objs.len() + (to - from) > WINDOW_CAP {
             w.objs.clear();
@@ -1656,6 +1678,71 @@ impl PlainState {
                 w.objs.clear();
                 w.start = i + 1;
             }
+        }
+    }
+
+    /// Prefetches what the native append read of the request it served after this one last
+    /// time ([`Self::chain`]): the object with the words before it (its dict pointer and GC
+    /// header) and its slots, its lists' headers and its token lists' ends. Called at the start
+    /// of this request's append, so that they arrive while the rest of it, and the scheduler's
+    /// code up to the next append, run.
+    #[inline]
+    fn prefetch_successor(&self) {
+        use kvcore_core::prefetch::{prefetch, prefetch_line};
+        let [object, output, all, hashes, output_end, all_end] = self
+            .next
+            .each_ref()
+            .map(|a| a.load(Ordering::Relaxed) as *const u8);
+        prefetch(object.wrapping_sub(32));
+        prefetch(object.wrapping_add(96));
+        prefetch_line(object.wrapping_add(224));
+        // A list's header (the fields an append reads) may straddle a line.
+        for header in [output, all, hashes] {
+            prefetch_line(header);
+            prefetch_line(header.wrapping_add(39));
+        }
+        prefetch_line(output_end);
+        prefetch_line(all_end);
+    }
+
+    /// Links the requests the native append serves, in the order it serves them: notes in
+    /// the base the append served last (when another) where this request keeps what the append
+    /// read now (`lists`: its token lists and hash list, the hash list's address 0 when not
+    /// read), for that base's next append to prefetch; then this base is the last.
+    ///
+    /// A scheduler appends to its running requests in the same order step after step (the
+    /// order it scheduled them), so the request appended after one last step is, but for
+    /// those that finished or joined, the one appended after it next step. The addresses are
+    /// only prefetched: a stale one (a request gone, a list replaced or grown elsewhere) costs
+    /// a useless fetch, and the next step notes them again.
+    fn chain(&self, request: &Bound<'_, PyAny>, lists: [&Bound<'_, PyAny>; 2], hashes: usize) {
+        let me = std::ptr::from_ref(self) as usize;
+        let prev = LAST_APPENDED.swap(me, Ordering::Relaxed);
+        if prev == 0 || prev == me {
+            return;
+        }
+        #[allow(unsafe_code)]
+        // SAFETY: `prev` is the address of a live `PlainState`. It was stored by `chain` from a
+        // base's `&self`, and a base clears it (`Drop`) before its memory is freed. The GIL
+        // orders both: the swap above and `Drop` run with it held (every Python object is freed
+        // with the GIL held), and no Python code runs between the swap and this borrow, so
+        // nothing can free that base in between. Only its atomics are touched.
+        let prev = unsafe { &*(prev as *const Self) };
+        let end = |l: &Bound<'_, PyAny>| {
+            l.downcast_exact::<PyList>()
+                .map_or(0, |l| crate::args::list_end_addr(l))
+        };
+        let [output, all] = lists;
+        let lines = [
+            request.as_ptr() as usize,
+            output.as_ptr() as usize,
+            all.as_ptr() as usize,
+            hashes,
+            end(output),
+            end(all),
+        ];
+        for (cell, line) in prev.next.iter().zip(lines) {
+            cell.store(line, Ordering::Relaxed);
         }
     }
 
@@ -1678,6 +1765,14 @@ impl PlainState {
     }
 }
 
+impl Drop for PlainState {
+    /// A base being freed is no longer the last the append served ([`LAST_APPENDED`]).
+    fn drop(&mut self) {
+        let me = std::ptr::from_ref(self) as usize;
+        let _ = LAST_APPENDED.compare_exchange(me, 0, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
 /// A request id and its table key (`crate::args::id_key`), and the request's token list once
 /// checked to be an exact list ([`PlainClass::note_tokens`]).
 #[repr(C)]
@@ -1697,6 +1792,7 @@ impl PlainState {
             hint: Default::default(),
             hints: OnceLock::new(),
             window: GilRefCell::new(None),
+            next: Default::default(),
         }
     }
 
@@ -1775,6 +1871,7 @@ impl PlainState {
         }
         let read = |i: usize| served.read(slf, i);
         if token_ids.is_instance_of::<pyo3::types::PyInt>() {
+            slf.get().prefetch_successor();
             // With thousands of requests, the lists have left the caches since the last step:
             // their headers are fetched together, then both lists' ends, instead of each
             // read waiting for the one before.
@@ -1787,6 +1884,8 @@ impl PlainState {
             }
             list_append(&output, token_ids)?;
             list_append(&all, token_ids)?;
+            slf.get()
+                .chain(slf.as_any(), [&output, &all], served.address(slf, HASHES));
         } else {
             read(OUTPUT)?.call_method1(intern!(py, "extend"), (token_ids,))?;
             read(ALL)?.call_method1(intern!(py, "extend"), (token_ids,))?;
@@ -1852,6 +1951,19 @@ impl ServedAppend {
                 }
             }
         }
+    }
+
+    /// The address of the attribute [`APPEND_FIELDS`]`[i]` of `request`, an instance of the
+    /// served class, where the class keeps it in a slot and the slot is set (else 0): for
+    /// prefetching only.
+    #[inline]
+    fn address(&self, request: &Bound<'_, PlainState>, i: usize) -> usize {
+        self.slots[i].map_or(0, |offset| {
+            #[allow(unsafe_code)]
+            // SAFETY: `offset` is a slot offset of the served class, `request`'s exact class
+            // (the caller's check); only the value's address is taken.
+            unsafe { Slots::get(request.as_any(), offset) }.map_or(0, |v| v.as_ptr() as usize)
+        })
     }
 
     /// The attribute [`APPEND_FIELDS`]`[i]` of `request`, an instance of the served class:
