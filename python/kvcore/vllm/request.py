@@ -19,7 +19,9 @@ Its ``append_output_token_ids`` (the scheduler calls it for every new token) is 
 natively by the base: the same list appends or extends in the same order, then
 ``update_block_hashes``'s work, except that kvcore's own block hasher is not called when the
 request has no new full block (it would return no hashes). A subclass gets vLLM's Python
-method.
+method. The base also notes, for the request its append served just before, where this one's
+object and lists are, and each append prefetches what its own base noted: a scheduler appends
+in the same order every step (docs/behaviour.md §17; an address, never a reference).
 
 Its constructor is vLLM's, after which it reserves room in ``_all_token_ids`` for
 ``min(max_tokens, len(_all_token_ids) - 3)`` more tokens (the list's items stay the same): each
