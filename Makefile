@@ -51,9 +51,10 @@ wheel: ## Build the abi3 manylinux2014 wheel and sdist of kvcore and of kvcore-k
 test-wheel: wheel ## Install the built wheels into fresh virtual environments and smoke-test them
 	PYTHON=$(PY) bash scripts/wheel-smoke.sh $(DIST)
 
-lint: install-dev ## rustfmt, clippy, ruff, mypy --strict and stubtest
+lint: install-dev ## rustfmt, clippy, rustdoc, ruff, mypy --strict and stubtest
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS='-D warnings' cargo doc --workspace --no-deps --document-private-items
 	$(PY) -m ruff check python tests benches kernels conftest.py
 	$(PY) -m ruff format --check python tests benches kernels conftest.py
 	$(PY) -m mypy

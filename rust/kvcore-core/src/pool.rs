@@ -5,9 +5,9 @@
 //! Blocks are plain indices. Per block the pool keeps a reference count and two queue links
 //! (`prev`/`next` arrays with a head and a tail sentinel, as in slab's vacant chain), plus an
 //! index into a small slab of primary keys that only hashed blocks use. The prefix-cache index
-//! ([`index`]) lists `(key, block)` pairs, each key's in insertion order; a pair is named by the
-//! block's id for its primary key, or by an alias record (SPEC MAP-6: keys of partial entries,
-//! rare) numbered after the blocks.
+//! (the private `index` module) lists `(key, block)` pairs, each key's in insertion order; a
+//! pair is named by the block's id for its primary key, or by an alias record (SPEC MAP-6: keys
+//! of partial entries, rare) numbered after the blocks.
 //!
 //! # Invariants
 //! Checked by [`BlockPool::check_invariants`]:
