@@ -4,6 +4,7 @@ vLLM's own ``Request`` call by call."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import random
 import sys
 import weakref
@@ -124,9 +125,6 @@ def test_token_list_has_room_for_decode(prompt: int, max_tokens: int) -> None:
     ``_all_token_ids`` for ``min(max_tokens, prompt - 3)`` appends when the prompt has 16 tokens
     or more: the list's allocation does not grow until then, where vLLM's does, and it holds
     what vLLM's holds all along."""
-    import inspect
-    import sys
-
     assert inspect.signature(kvcore.vllm.Request) == inspect.signature(VllmRequest)
     made = [
         cls("r", list(range(prompt)), SamplingParams(max_tokens=max_tokens), None)

@@ -1696,10 +1696,8 @@ impl PlainState {
         prefetch(object.wrapping_sub(32));
         prefetch(object.wrapping_add(96));
         prefetch_line(object.wrapping_add(224));
-        // A list's header (the fields an append reads) may straddle a line.
         for header in [output, all, hashes] {
-            prefetch_line(header);
-            prefetch_line(header.wrapping_add(39));
+            prefetch_list_header(header);
         }
         prefetch_line(output_end);
         prefetch_line(all_end);
@@ -1923,6 +1921,14 @@ impl PlainState {
     }
 }
 
+/// Prefetches the header of the list at `list` (the fields an append reads, which may straddle
+/// a line); 0 (not known) prefetches nothing. A hint only.
+#[inline(always)]
+fn prefetch_list_header(list: *const u8) {
+    kvcore_core::prefetch::prefetch_line(list);
+    kvcore_core::prefetch::prefetch_line(list.wrapping_add(39));
+}
+
 /// The class [`PlainState::append_output_token_ids`] serves, and vLLM's method for others.
 struct ServedAppend {
     cls: Py<PyType>,
@@ -1940,16 +1946,7 @@ impl ServedAppend {
     #[inline]
     fn prefetch_lists(&self, request: &Bound<'_, PlainState>) {
         for i in [OUTPUT, ALL, HASHES] {
-            if let Some(offset) = self.slots[i] {
-                #[allow(unsafe_code)]
-                // SAFETY: `offset` is a slot offset of the served class, `request`'s exact
-                // class (the caller's check); the value is only prefetched.
-                if let Some(v) = unsafe { Slots::get(request.as_any(), offset) } {
-                    let header = v.as_ptr().cast::<u8>();
-                    kvcore_core::prefetch::prefetch_line(header);
-                    kvcore_core::prefetch::prefetch_line(header.wrapping_add(39));
-                }
-            }
+            prefetch_list_header(self.address(request, i) as *const u8);
         }
     }
 
